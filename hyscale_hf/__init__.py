@@ -1,0 +1,19 @@
+"""hyscale_hf: exact, memory-light DSA sparse attention training for Hugging Face Transformers."""
+
+from .config import HyScaleConfig
+from .kernels import hytopk, indexer_kl_loss, sparse_attention
+from .patching import is_patched, patch_model, supported_model_types, unpatch_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HyScaleConfig",
+    "hytopk",
+    "sparse_attention",
+    "indexer_kl_loss",
+    "patch_model",
+    "unpatch_model",
+    "is_patched",
+    "supported_model_types",
+    "__version__",
+]

@@ -1,0 +1,65 @@
+"""HyScaleConfig: the one place where hyscale_hf's options live."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class HyScaleConfig:
+    """Options for patching a model and training its indexer.
+
+    Fields left as ``None`` are taken from the model's own config when ``patch_model`` runs
+    (DSA families carry ``index_topk``, ``index_n_heads`` and ``index_head_dim``); dense models
+    converted to DSA fall back to the defaults documented on each field.
+
+    Attributes:
+        topk: keys kept per query (K). DSA models: ``config.index_topk``; dense models: 2048.
+        index_n_heads: indexer heads H. DSA models: ``config.index_n_heads``; dense models: 32.
+        index_head_dim: indexer head dim D. DSA models: ``config.index_head_dim``; dense models: 128.
+        relu: apply ReLU to per-head indexer logits before the head-weighted sum. ``None`` follows
+            the model family's own code.
+        selection_replay: under gradient checkpointing, recompute reuses the forward's indices
+            instead of running the indexer and top-k again.
+        verify_replay: recompute the selection anyway and raise if it differs from the saved one
+            (debugging aid; costs the indexer's recompute).
+        indexer_loss_coef: weight of the indexer KL loss added during training.
+        dense_warmup: start in the dense warm-up stage (dense attention, only the indexer trains on
+            the dense KL loss) instead of the sparse stage.
+        backend: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise), ``"torch"`` or
+            ``"triton"``.
+    """
+
+    topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    relu: bool | None = None
+    selection_replay: bool = True
+    verify_replay: bool = False
+    indexer_loss_coef: float = 1e-3
+    dense_warmup: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("topk", "index_n_heads", "index_head_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"HyScaleConfig.{name} must be a positive int or None, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"HyScaleConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.indexer_loss_coef, (int, float)) or self.indexer_loss_coef < 0:
+            raise ValueError(
+                f"HyScaleConfig.indexer_loss_coef must be a non-negative number, got {self.indexer_loss_coef!r}"
+            )
+
+    def replace(self, **overrides: Any) -> HyScaleConfig:
+        """A copy with ``overrides`` applied; unknown names raise ``TypeError`` naming them."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown HyScaleConfig option(s) {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **overrides)

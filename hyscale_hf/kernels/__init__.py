@@ -1,0 +1,12 @@
+"""hyscale_hf ops: Triton kernels with a pure-torch reference beside each (torch + triton only).
+
+Every public op takes ``backend``: ``"auto"`` runs the Triton kernel on CUDA tensors where one
+exists and the torch reference otherwise; ``"torch"`` forces the reference; ``"triton"`` forces the
+kernel (on CPU tensors it needs ``TRITON_INTERPRET=1`` set before import: Triton's interpreter).
+"""
+
+from .hytopk import hytopk
+from .indexer_loss import indexer_kl_loss
+from .sparse_attention import sparse_attention
+
+__all__ = ["hytopk", "sparse_attention", "indexer_kl_loss"]
