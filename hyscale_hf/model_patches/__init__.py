@@ -1,0 +1,3 @@
+"""Transformers glue: one module per model family, each registering itself with
+``hyscale_hf.patching.register_family``. The only part of hyscale_hf that imports transformers
+internals. Families missing from the installed Transformers are skipped at import."""
