@@ -14,7 +14,7 @@ import torch
 
 from .config import HyScaleConfig
 
-ApplyFn = Callable[[torch.nn.Module, HyScaleConfig], Callable[[], None]]
+ApplyFn = Callable[[torch.nn.Module, "PatchState"], Callable[[], None]]
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,28 @@ class ModelFamily:
 
 @dataclass
 class PatchState:
-    """What ``patch_model`` leaves on a model: the resolved config and how to undo the patch."""
+    """What ``patch_model`` leaves on a model, shared with its patched modules.
+
+    ``config`` is live: the Trainer callback flips ``config.dense_warmup`` and patched modules
+    read it on every forward. ``indexer_losses`` collects each full indexer layer's detached loss
+    since the last ``pop_indexer_loss`` (for logging).
+    """
 
     config: HyScaleConfig
     family: ModelFamily
     undo: list[Callable[[], None]] = field(default_factory=list)
+    indexer_losses: list[torch.Tensor] = field(default_factory=list)
+
+    def record_indexer_loss(self, loss: torch.Tensor) -> None:
+        self.indexer_losses.append(loss.detach())
+
+    def pop_indexer_loss(self) -> float | None:
+        """Mean of the recorded per-layer indexer losses since the last call (None if none)."""
+        if not self.indexer_losses:
+            return None
+        value = torch.stack([x.float().cpu() for x in self.indexer_losses]).mean().item()
+        self.indexer_losses.clear()
+        return value
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -40,7 +57,12 @@ _STATE_ATTR = "_hyscale_state"
 
 
 def register_family(model_type: str, apply: ApplyFn, kind: str) -> None:
-    """Register ``apply`` for models whose ``config.model_type`` is ``model_type``."""
+    """Register ``apply`` for models whose ``config.model_type`` is ``model_type``.
+
+    ``apply(model, state)`` patches one model instance in place (``state.config`` holds the options;
+    keep ``state`` on the patched modules if they need the live config or loss log) and returns an
+    undo function that restores the instance exactly.
+    """
     if kind not in ("dsa", "dense"):
         raise ValueError(f"kind must be 'dsa' or 'dense', got {kind!r}")
     if model_type in _FAMILIES:
@@ -100,7 +122,7 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
         raise ValueError("model is already patched; call hyscale_hf.unpatch_model(model) first")
     family = family_of(model_config.model_type)
     state = PatchState(config=cfg, family=family)
-    undo = family.apply(target, cfg)
+    undo = family.apply(target, state)
     state.undo.append(undo)
     setattr(target, _STATE_ATTR, state)
     return model
