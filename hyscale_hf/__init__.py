@@ -1,9 +1,9 @@
 """hyscale_hf: exact, memory-light DSA sparse attention training for Hugging Face Transformers."""
 
+from . import model_patches  # noqa: F401  (registers the model families)
 from .config import HyScaleConfig
 from .kernels import hytopk, indexer_kl_loss, sparse_attention
 from .patching import is_patched, patch_model, supported_model_types, unpatch_model
-from . import model_patches  # noqa: F401  (registers the model families)
 
 __version__ = "0.1.0"
 

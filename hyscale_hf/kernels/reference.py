@@ -57,14 +57,31 @@ def _compute_dtype(*tensors) -> torch.dtype:
 # ----------------------------------------------------------------------------- indexer scores
 
 
-def indexer_logits_block(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool = True) -> torch.Tensor:
+def indexer_logits_block(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool = True, workspace: torch.Tensor | None = None
+) -> torch.Tensor:
     """``sum_h w[.., h] * ReLU(q[.., h, :] . k[s, :])`` for a block: q [B, c, H, D], k [B, T, D],
-    w [B, c, H] -> [B, c, T] in fp32 (fp64 if any input is fp64)."""
+    w [B, c, H] -> [B, c, T] in fp32 (fp64 if any input is fp64).
+
+    ``workspace`` (no-grad callers): a flat buffer of at least B*c*H*T elements of the compute dtype
+    that holds the per-head logits, so a loop over chunks reuses one block instead of allocating
+    (and fragmenting) a fresh one per chunk.
+    """
     dt = _compute_dtype(q, k, w)
-    logits = torch.einsum("bchd,btd->bcht", q.to(dt), k.to(dt))
+    B, c, H, D = q.shape
+    T = k.shape[1]
+    if workspace is None:
+        logits = torch.einsum("bchd,btd->bcht", q.to(dt), k.to(dt))
+        if relu:
+            logits = logits.clamp_min(0)
+        return (logits * w.to(dt)[..., None]).sum(dim=2)
+    logits = workspace[: B * c * H * T].view(B, c * H, T)
+    torch.bmm(q.reshape(B, c * H, D).to(dt), k.to(dt).transpose(1, 2), out=logits)
+    logits = logits.view(B, c, H, T)
     if relu:
-        logits = logits.clamp_min(0)
-    return (logits * w.to(dt)[..., None]).sum(dim=2)
+        logits.clamp_min_(0)
+    logits.mul_(w.to(dt)[..., None])
+    return logits.sum(dim=2)
 
 
 def _visible_mask(start, end, lo: int, hi: int) -> torch.Tensor:
@@ -143,12 +160,15 @@ def hytopk_reference(
     idx_out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)
     score_out = torch.empty(B, S, topk, dtype=torch.float32, device=q.device)
     chunk = _chunk_size(B, H, T, chunk_size)
+    dt = _compute_dtype(q, k, w)
+    k = k.to(dt)  # once, not per chunk
+    workspace = torch.empty(B * min(chunk, S) * H * T, dtype=dt, device=q.device)
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
+        # Score only the keys some query of the chunk can see (early causal chunks see few).
         lo = int(start[:, c0:c1].min())
         hi = int(end[:, c0:c1].max()) + 1
-        # Narrow the chunk further when its window is much shorter than T (early causal chunks).
-        scores = indexer_logits_block(q[:, c0:c1], k[:, lo:hi], w[:, c0:c1], relu).float()
+        scores = indexer_logits_block(q[:, c0:c1], k[:, lo:hi], w[:, c0:c1], relu, workspace).float()
         visible = _visible_mask(start[:, c0:c1], end[:, c0:c1], lo, hi)
         if check_nan and bool(torch.isnan(scores[visible]).any()):
             raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
