@@ -156,15 +156,13 @@ def bench_one(T, attn, chunk):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench_indexer_loss.json"))
-    ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 32768])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the chunked torch baseline")
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "H": H, "D": D, "K": K,
                "tiles": _il._GPU_TILES, "rows": []}
-    if a.sweep:
-        sweep(results, a.out)
     for T in a.sizes:
         for attn in ATTN:
             row = bench_one(T, attn, a.chunk)
@@ -172,6 +170,8 @@ def main():
             a.out.write_text(json.dumps(results, indent=1))
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
+    if a.sweep:
+        sweep(results, a.out)
     print(f"{'T':>6} {'attn':>4} {'fwd ms':>8} {'fwd+bwd':>8} {'lse=None':>9} {'ref chunked':>11} {'ref full':>9} {'x':>6}")
     for r in results["rows"]:
         full = r["torch_ref_fwd_bwd"].get("ms", "OOM")
