@@ -101,10 +101,11 @@ def reference(leaves, attn, idx, lse, scale, chunk=None):
 
 def sweep_shape(attn, rows):
     """Time launch tiles of the forward (and, once, the backward: it reads no attention) at T = SWEEP_T."""
-    fwd = [(32, 4, 2, 64), (64, 4, 2, 64), (64, 8, 2, 64), (64, 4, 3, 64), (128, 8, 2, 64)]
+    fwd = [(64, 4, 2, 64), (64, 4, 3, 64), (64, 4, 4, 64), (32, 4, 3, 64), (128, 4, 3, 64), (128, 8, 3, 64)]
     if attn == "gqa":
-        fwd += [(64, 4, 2, 128), (32, 4, 2, 128)]
-    bwd = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2)] if attn == "mla" else []
+        fwd += [(64, 4, 3, 128), (32, 4, 3, 128)]
+    bwd = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2)] if attn == "mla" else []
+    lse_tiles = [(64, 4, 2), (64, 4, 3), (32, 4, 3)]
     leaves, attn_t, idx, lse, scale = setup(SWEEP_T, attn)
     args = (*[t.detach() for t in leaves], *attn_t, idx, lse, scale, True)
     for bk, nw, ns, da in fwd:
@@ -112,6 +113,12 @@ def sweep_shape(attn, rows):
         ms = cuda_ms(lambda: _il.indexer_kl_forward_triton(*args), iters=5)
         rows.append({"kernel": "fwd", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
                      "BLOCK_DA": da, "ms": round(ms, 3)})
+        print(rows[-1], flush=True)
+    for bk, nw, ns in lse_tiles:
+        _il._GPU_TILES["lse"] = {"BLOCK_K": bk, "BLOCK_DA": 64, "num_warps": nw, "num_stages": ns}
+        ms = cuda_ms(lambda: _il.attention_lse_triton(attn_t[0], attn_t[1], idx, scale), iters=5)
+        rows.append({"kernel": "lse", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
+                     "ms": round(ms, 3)})
         print(rows[-1], flush=True)
     _, target, z, lse_i = _il.indexer_kl_forward_triton(*args)
     g = torch.ones(1, SWEEP_T, device=DEVICE)
@@ -146,7 +153,7 @@ def bench_one(T, attn, chunk):
     row["ours_fwd_bwd_lse_none"] = measure("ours fwd+bwd, lse=None", lambda: ours(leaves, attn_t, idx, None, scale), 5)
     row["torch_ref_fwd_bwd"] = measure("torch reference", lambda: reference(leaves, attn_t, idx, lse, scale), 1)
     row[f"torch_ref_chunk{chunk}_fwd_bwd"] = measure(
-        "torch reference chunked", lambda: reference(leaves, attn_t, idx, lse, scale, chunk), 2)
+        "torch reference chunked", lambda: reference(leaves, attn_t, idx, lse, scale, chunk), 3)
     ref_ms = row[f"torch_ref_chunk{chunk}_fwd_bwd"].get("ms")
     if ref_ms and "ms" in row["ours_fwd_bwd"]:
         row["speedup_vs_chunked_ref"] = round(ref_ms / row["ours_fwd_bwd"]["ms"], 2)
