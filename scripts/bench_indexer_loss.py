@@ -1,0 +1,192 @@
+"""Sparse-stage indexer KL loss, forward + backward: Triton kernels vs the torch reference path.
+
+One causal sequence (B = 1, S = T), bf16, indexer H = 32, D = 128, K = 2048, with the attention's
+lse given (the sparse stage has it from sparse_attention) and, for ours, also without it. Baselines
+run in the same process on the same inputs: the torch reference in one call (it gathers
+[S, K, Hkv, Dqk] and runs out of memory at these sizes) and the same reference a query chunk at a
+time (what a careful user writes). Writes JSON (``--out``); ``--sweep`` also times launch tiles.
+
+    python scripts/bench_indexer_loss.py --out bench_indexer_loss.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hyscale_hf.kernels import indexer_kl_loss  # noqa: E402
+from hyscale_hf.kernels import indexer_loss as _il  # noqa: E402  (tile sweep only)
+from hyscale_hf.kernels.reference import indexer_kl_loss_reference  # noqa: E402
+from tests.kernels._indexer_loss_inputs import causal_indices, loss_inputs  # noqa: E402
+
+H, D, K = 32, 128, 2048
+DEVICE = "cuda"
+SWEEP_T = 16384
+ATTN = {"mla": (64, 1, 576), "gqa": (32, 8, 128)}
+
+
+def cuda_ms(fn, warmup=1, iters=5):
+    """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(name, fn, iters):
+    """Peak memory above the inputs (first run, which is also the warm-up), then the median time."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = cuda_ms(fn, warmup=0, iters=iters)
+        return {"ms": round(ms, 3), "peak_gib": round(gib, 3)}
+    except torch.OutOfMemoryError as e:
+        return {"error": "OutOfMemoryError", "detail": str(e).splitlines()[0][:200]}
+    finally:
+        torch.cuda.empty_cache()
+        print(name, flush=True)
+
+
+def setup(T, attn):
+    Hq, Hkv, Dqk = ATTN[attn]
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    tensors = loss_inputs(1, T, T, H, D, Hq, Hkv, Dqk, dtype=torch.bfloat16, device=DEVICE, generator=g,
+                          attn_sharpness=3.0)
+    idx = causal_indices(1, T, T, K, generator=g, device=DEVICE, local=256, sinks=16)
+    scale = Dqk**-0.5
+    lse = _il.attention_lse_triton(tensors[3], tensors[4], idx, scale)
+    leaves = [t.clone().requires_grad_() for t in tensors[:3]]
+    return leaves, tensors[3:], idx, lse, scale
+
+
+def ours(leaves, attn, idx, lse, scale, backward=True):
+    loss = indexer_kl_loss(*leaves, *attn, idx, attn_lse=lse, scale=scale, backend="triton")
+    if backward:
+        loss.backward()
+        for t in leaves:
+            t.grad = None
+
+
+def reference(leaves, attn, idx, lse, scale, chunk=None):
+    S = idx.shape[1]
+    chunk = chunk or S
+    count = (idx >= 0).any(-1).sum().clamp_min(1)
+    for c in range(0, S, chunk):
+        part = slice(c, c + chunk)
+        kl = indexer_kl_loss_reference(leaves[0][:, part], leaves[1], leaves[2][:, part], attn[0][:, part],
+                                       attn[1], idx[:, part], attn_lse=lse[:, part], scale=scale,
+                                       reduction="sum")
+        (kl / count).backward()
+    for t in leaves:
+        t.grad = None
+
+
+def sweep_shape(attn, rows):
+    """Time launch tiles of the forward (and, once, the backward: it reads no attention) at T = SWEEP_T."""
+    fwd = [(64, 4, 2, 64), (64, 4, 3, 64), (64, 4, 4, 64), (32, 4, 3, 64), (128, 4, 3, 64), (128, 8, 3, 64)]
+    if attn == "gqa":
+        fwd += [(64, 4, 3, 128), (32, 4, 3, 128)]
+    bwd = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2)] if attn == "mla" else []
+    lse_tiles = [(64, 4, 2), (64, 4, 3), (32, 4, 3)]
+    leaves, attn_t, idx, lse, scale = setup(SWEEP_T, attn)
+    args = (*[t.detach() for t in leaves], *attn_t, idx, lse, scale, True)
+    for bk, nw, ns, da in fwd:
+        _il._GPU_TILES["fwd"] = {"BLOCK_K": bk, "BLOCK_DA": da, "num_warps": nw, "num_stages": ns}
+        ms = cuda_ms(lambda: _il.indexer_kl_forward_triton(*args), iters=5)
+        rows.append({"kernel": "fwd", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
+                     "BLOCK_DA": da, "ms": round(ms, 3)})
+        print(rows[-1], flush=True)
+    for bk, nw, ns in lse_tiles:
+        _il._GPU_TILES["lse"] = {"BLOCK_K": bk, "BLOCK_DA": 64, "num_warps": nw, "num_stages": ns}
+        ms = cuda_ms(lambda: _il.attention_lse_triton(attn_t[0], attn_t[1], idx, scale), iters=5)
+        rows.append({"kernel": "lse", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
+                     "ms": round(ms, 3)})
+        print(rows[-1], flush=True)
+    _, target, z, lse_i = _il.indexer_kl_forward_triton(*args)
+    g = torch.ones(1, SWEEP_T, device=DEVICE)
+    for bk, nw, ns in bwd:
+        _il._GPU_TILES["bwd"] = {"BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+        ms = cuda_ms(lambda: _il.indexer_kl_backward_triton(g, *args[:3], idx, target, z, lse_i, True), iters=5)
+        rows.append({"kernel": "bwd", "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "ms": round(ms, 3)})
+        print(rows[-1], flush=True)
+
+
+def sweep(results, out):
+    saved = {k: dict(v) for k, v in _il._GPU_TILES.items()}
+    results["sweep"] = []
+    try:
+        for attn in ATTN:
+            sweep_shape(attn, results["sweep"])
+            _il._GPU_TILES.update({k: dict(v) for k, v in saved.items()})
+            torch.cuda.empty_cache()
+            out.write_text(json.dumps(results, indent=1))
+    finally:
+        _il._GPU_TILES.update(saved)
+
+
+def bench_one(T, attn, chunk):
+    leaves, attn_t, idx, lse, scale = setup(T, attn)
+    Hq, _, Dqk = ATTN[attn]
+    row = {"T": T, "attn": attn, "Hq": Hq, "Dqk": Dqk,
+           "gflop_fwd": round(2 * T * K * (H * D + Hq * Dqk) / 1e9, 1),
+           "gflop_bwd": round(6 * T * K * H * D / 1e9, 1)}
+    row["ours_fwd"] = measure("ours fwd", lambda: ours(leaves, attn_t, idx, lse, scale, False), 10)
+    row["ours_fwd_bwd"] = measure("ours fwd+bwd", lambda: ours(leaves, attn_t, idx, lse, scale), 10)
+    row["ours_fwd_bwd_lse_none"] = measure("ours fwd+bwd, lse=None", lambda: ours(leaves, attn_t, idx, None, scale), 5)
+    row["torch_ref_fwd_bwd"] = measure("torch reference", lambda: reference(leaves, attn_t, idx, lse, scale), 1)
+    row[f"torch_ref_chunk{chunk}_fwd_bwd"] = measure(
+        "torch reference chunked", lambda: reference(leaves, attn_t, idx, lse, scale, chunk), 3)
+    ref_ms = row[f"torch_ref_chunk{chunk}_fwd_bwd"].get("ms")
+    if ref_ms and "ms" in row["ours_fwd_bwd"]:
+        row["speedup_vs_chunked_ref"] = round(ref_ms / row["ours_fwd_bwd"]["ms"], 2)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench_indexer_loss.json"))
+    ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 32768])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the chunked torch baseline")
+    a = ap.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": __import__("triton").__version__, "H": H, "D": D, "K": K,
+               "tiles": _il._GPU_TILES, "rows": []}
+    for T in a.sizes:
+        for attn in ATTN:
+            row = bench_one(T, attn, a.chunk)
+            results["rows"].append(row)
+            a.out.write_text(json.dumps(results, indent=1))
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    if a.sweep:
+        sweep(results, a.out)
+    print(f"{'T':>6} {'attn':>4} {'fwd ms':>8} {'fwd+bwd':>8} {'lse=None':>9} {'ref chunked':>11} {'ref full':>9} {'x':>6}")
+    for r in results["rows"]:
+        full = r["torch_ref_fwd_bwd"].get("ms", "OOM")
+        print(f"{r['T']:>6} {r['attn']:>4} {r['ours_fwd'].get('ms', 'OOM'):>8} {r['ours_fwd_bwd'].get('ms', 'OOM'):>8} "
+              f"{r['ours_fwd_bwd_lse_none'].get('ms', 'OOM'):>9} "
+              f"{r[f'torch_ref_chunk{a.chunk}_fwd_bwd'].get('ms', 'OOM'):>11} {full:>9} "
+              f"{r.get('speedup_vs_chunked_ref', '-'):>6}")
+
+
+if __name__ == "__main__":
+    main()
