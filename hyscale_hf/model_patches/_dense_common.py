@@ -249,21 +249,27 @@ AttentionMaskInterface.register(ATTN_IMPL, padding_mask_only)
 # ----------------------------------------------------------------------------- patch / undo
 
 
-def _patched_forward(inner, state: PatchState):
+# Attributes a patched attention module carries. They are plain attributes (no closures), so
+# copy.deepcopy of a patched model (e.g. a reference model for RL fine-tuning) gives an independent
+# patched copy whose forwards, state and undo all point at the copy.
+_STATE = "_hyscale_dense_state"
+_PREV_FORWARD = "_hyscale_dense_prev_forward"
+
+
+def _patched_forward(self, *args, **kwargs):
     """Instance forward: the module's own forward plus the hidden states, rotary tables and cache.
 
     The attention signature is ``(hidden_states, position_embeddings, attention_mask, cache, **kwargs)``
     in every dense family; the cache argument is ``past_key_values`` before Transformers 5.18.
     """
-
-    def forward(self, *args, **kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        pos_emb = args[1] if len(args) > 1 else kwargs.get("position_embeddings")
-        cache = args[3] if len(args) > 3 else kwargs.get("cache", kwargs.get("past_key_values"))
-        call = _LayerCall(hidden, pos_emb, cache, state)
-        return inner(*args, **{_CALL_KWARG: call}, **kwargs)
-
-    return forward
+    hidden = args[0] if args else kwargs["hidden_states"]
+    pos_emb = args[1] if len(args) > 1 else kwargs.get("position_embeddings")
+    cache = args[3] if len(args) > 3 else kwargs.get("cache", kwargs.get("past_key_values"))
+    call = _LayerCall(hidden, pos_emb, cache, getattr(self, _STATE))
+    prev = getattr(self, _PREV_FORWARD)  # an instance forward that was there before (e.g. an accelerate hook)
+    if prev is not None:
+        return prev(*args, **{_CALL_KWARG: call}, **kwargs)
+    return type(self).forward(self, *args, **{_CALL_KWARG: call}, **kwargs)
 
 
 def _rotary_dim(model: nn.Module) -> int:
@@ -302,6 +308,44 @@ def _resolve_settings(model_config, state: PatchState, rotary_dim: int) -> dict:
     return out
 
 
+class _Absent:
+    """Marks an attribute that did not exist before patching (a class: deepcopy keeps its identity)."""
+
+
+class _DenseUndo:
+    """Restores a patched model exactly. A callable object rather than a closure, so that it is
+    deep-copied along with the model and then restores the copy."""
+
+    def __init__(self, config, attns: list[nn.Module]) -> None:
+        self.config = config
+        self.attns = attns
+        self.forwards: list[tuple[nn.Module, Any]] = []  # (module, previous instance forward or None)
+        self.impls: list[tuple[Any, Any]] = []  # (config, previous _attn_implementation)
+        self.record: Any = _Absent  # previous RECORD_ATTR value (_Absent if there was none)
+        self.record_set = False
+
+    def __call__(self) -> None:
+        if self.record_set:
+            if self.record is _Absent:
+                self.config.__dict__.pop(RECORD_ATTR, None)
+            else:
+                setattr(self.config, RECORD_ATTR, self.record)
+            self.record_set = False
+        for config, old in reversed(self.impls):
+            config._attn_implementation = old
+        self.impls.clear()
+        for m, prev in reversed(self.forwards):
+            del m.forward
+            if prev is not None:
+                m.forward = prev
+            for name in (_STATE, _PREV_FORWARD):
+                m.__dict__.pop(name, None)
+        self.forwards.clear()
+        for m in self.attns:
+            if "indexer" in m._modules:
+                del m.indexer
+
+
 def make_dense_apply(attention_cls: type, apply_rotary):
     """The ``apply(model, state) -> undo`` of a dense family whose attention class is ``attention_cls``
     and whose RoPE function is ``apply_rotary`` (the family's ``apply_rotary_pos_emb``)."""
@@ -317,13 +361,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
         loaded_record = config.__dict__.get(RECORD_ATTR)
         settings = _resolve_settings(config, state, _rotary_dim(model))
         configs = {id(c): c for c in [config] + [m.config for _, m in attns]}.values()
-        undo_steps = []
-
-        def undo():
-            for step in reversed(undo_steps):
-                step()
-            undo_steps.clear()
-
+        undo = _DenseUndo(config, [m for _, m in attns])
         try:
             for _, m in attns:
                 ref = m.q_proj.weight
@@ -332,18 +370,17 @@ def make_dense_apply(attention_cls: type, apply_rotary):
                     apply_rotary=apply_rotary, init_std=float(getattr(config, "initializer_range", 0.02)),
                     dtype=ref.dtype, device=ref.device,
                 )
-                undo_steps.append(lambda m=m: delattr(m, "indexer"))
                 prev = m.__dict__.get("forward")
-                inner = prev if prev is not None else types.MethodType(type(m).forward, m)
-                m.forward = types.MethodType(_patched_forward(inner, state), m)
-                undo_steps.append(lambda m=m, prev=prev: _restore_forward(m, prev))
+                setattr(m, _STATE, state)
+                setattr(m, _PREV_FORWARD, prev)
+                m.forward = types.MethodType(_patched_forward, m)
+                undo.forwards.append((m, prev))
             for c in configs:
-                old_impl = c._attn_implementation
+                undo.impls.append((c, c._attn_implementation))
                 c._attn_implementation = ATTN_IMPL
-                undo_steps.append(lambda c=c, old=old_impl: setattr(c, "_attn_implementation", old))
-            old_record = config.__dict__.get(RECORD_ATTR, _MISSING)
+            undo.record = config.__dict__.get(RECORD_ATTR, _Absent)
+            undo.record_set = True
             setattr(config, RECORD_ATTR, {"kind": "dense", **settings})
-            undo_steps.append(lambda: _restore_attr(config, RECORD_ATTR, old_record))
             if loaded_record is not None:
                 load_saved_indexers(model, {name: m.indexer for name, m in attns})
         except BaseException:
@@ -352,20 +389,3 @@ def make_dense_apply(attention_cls: type, apply_rotary):
         return undo
 
     return apply
-
-
-_MISSING = object()
-
-
-def _restore_forward(module: nn.Module, prev) -> None:
-    del module.forward
-    if prev is not None:
-        module.forward = prev
-
-
-def _restore_attr(obj, name: str, old) -> None:
-    if old is _MISSING:
-        if name in obj.__dict__:
-            delattr(obj, name)
-    else:
-        setattr(obj, name, old)
