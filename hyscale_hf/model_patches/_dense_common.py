@@ -364,7 +364,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
         undo = _DenseUndo(config, [m for _, m in attns])
         try:
             for _, m in attns:
-                ref = m.q_proj.weight
+                ref = getattr(m.q_proj, "base_layer", m.q_proj).weight  # (PEFT wraps q_proj)
                 m.indexer = LightningIndexer(
                     config.hidden_size, settings["index_n_heads"], settings["index_head_dim"], settings["rope_dim"],
                     apply_rotary=apply_rotary, init_std=float(getattr(config, "initializer_range", 0.02)),

@@ -314,3 +314,36 @@ def test_deepcopy_of_a_patched_model_is_an_independent_patched_model():
     assert not any(".indexer." in n for n in twin.state_dict())
     with torch.no_grad():
         _close(model(ids).logits, expected, atol=0)
+
+
+def test_static_cache_is_refused_clearly():
+    model = _patched("llama", topk=3)
+    with pytest.raises(TypeError, match="static and quantized caches are not supported"):
+        model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)
+
+
+def test_peft_wrapped_model_patches_and_trains_the_indexer():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
+    patch_model(model, topk=3, **INDEXER)  # looks through the PEFT wrapper
+    assert is_patched(model)
+    ids = tokens(2, 8)
+    model.train()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    indexer = _indexer_params(model)
+    assert indexer and all(p.requires_grad and p.grad is not None for p in indexer.values())
+    unpatch_model(model)
+    assert not _indexer_params(model)
+
+
+def test_save_load_round_trip_sharded(tmp_path):
+    model = _patched("glm4", topk=3)
+    with torch.no_grad():
+        for p in _indexer_params(model).values():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded = patch_model(type(model).from_pretrained(tmp_path))
+    restored = _indexer_params(loaded)
+    for name, p in _indexer_params(model).items():
+        assert torch.equal(restored[name], p), name
