@@ -12,12 +12,11 @@ How a patched model runs (one model instance; nothing is changed at class level)
   selects with ``hytopk`` and attends with ``sparse_attention`` (or densely in the warm-up stage),
   and joins the indexer KL loss to the output during training.
 - ``"hyscale_dense"`` is registered in ``AttentionMaskInterface`` too: its "mask" is the 2-D padding
-  mask (or None), never a ``[B, 1, S, T]`` tensor. Visibility is rebuilt per layer from it:
-  left padding -> ``window_start`` (first real key), right padding -> keys after the last real key
-  are dropped from the (padding) queries that could see them, packed sequences (``cu_seq_lens_q``
-  kwargs, or ``position_ids`` resets without a 2-D mask or cached keys) -> ``cu_seqlens`` (batch 1)
-  or a per-query ``window_start``, a sliding window (Mistral, Qwen sliding layers) -> a per-query
-  ``window_start`` of ``pos - window + 1``. Masks with holes inside a row are refused.
+  mask (or None), never a ``[B, 1, S, T]`` tensor. Each layer turns it, the packing kwargs /
+  position_ids and its sliding window into hytopk's visibility (``_dense_visibility``): left and
+  right padding, packed sequences, sliding windows. Masks with holes inside a row are refused.
+- The dense warm-up stage attends over all visible keys with SDPA (a boolean ``[B, 1, S, T]``
+  mask only when padding, packing or a window needs one, as the family's own sdpa path does).
 - generate(): the indexer's keys are cached on the KV cache's layer objects (``_dense_cache``).
 - Save / load (``_dense_weights``): patching records the indexer settings in
   ``model.config.hyscale_indexer``, so ``save_pretrained`` writes them to config.json next to the
@@ -43,6 +42,7 @@ from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
 from ..patching import PatchState
 from ._dense_cache import indexer_cache_layer
+from ._dense_visibility import Visibility, visibility
 from ._dense_weights import RECORD_ATTR, load_saved_indexers
 
 ATTN_IMPL = "hyscale_dense"
@@ -60,103 +60,10 @@ class _LayerCall:
     state: PatchState
 
 
-# ----------------------------------------------------------------------------- visibility
-
-
-@dataclass
-class _Visibility:
-    cu_seqlens: torch.Tensor | None  # packed sequences, B = 1, no cached keys
-    window_start: torch.Tensor | None  # [B] or [B, S] first visible key
-    key_end: torch.Tensor | None  # [B] last real key when a row is right-padded, else None
-    query_real: torch.Tensor | None  # [B, S] bool, False for padding queries (None: all real)
-
-
-def _padding_bounds(mask: torch.Tensor, T: int):
-    """First and last real key per row of a 2-D padding mask cut to the T keys attention sees."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(
-            f"hyscale_hf dense attention needs a 2-D padding attention_mask [batch, tokens] (or None); got {shape}"
-        )
-    if mask.shape[1] < T:
-        raise ValueError(f"attention_mask covers {mask.shape[1]} tokens but attention sees {T} keys")
-    m = mask[:, mask.shape[1] - T :].bool()
-    count = m.sum(1)
-    pos = torch.arange(T, device=m.device)
-    first = torch.where(m, pos, T).amin(1)
-    last = torch.where(m, pos, -1).amax(1)
-    if bool(((count > 0) & (count != last - first + 1)).any()):
-        raise ValueError(
-            "attention_mask has padding inside a row (zeros between ones); hyscale_hf supports left and right "
-            "padding (each row one block of ones). For several sequences in one row use packing "
-            "(position_ids resets or cu_seq_lens_q/k)"
-        )
-    return m, first, last
-
-
-def _segment_starts(position_ids: torch.Tensor, B: int, S: int) -> torch.Tensor | None:
-    """[B, S] index of each query's packed-sequence start from position_ids resets, or None if none."""
-    pos = position_ids.expand(B, -1) if position_ids.shape[0] != B else position_ids
-    if pos.dim() != 2 or pos.shape[1] != S:
-        return None
-    is_start = torch.ones_like(pos, dtype=torch.bool)
-    is_start[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
-    if not bool(is_start[:, 1:].any()):
-        return None
-    idx = torch.arange(S, device=pos.device).expand(B, S)
-    return torch.where(is_start, idx, 0).cummax(dim=1).values
-
-
-def _visibility(attention_mask, kwargs: dict, B: int, S: int, T: int, sliding_window, device) -> _Visibility:
-    parts = []  # window_start pieces, [B] or [B, S]
-    key_end = query_real = cu_seqlens = None
-    if attention_mask is not None:
-        m, first, last = _padding_bounds(attention_mask, T)
-        parts.append(first)
-        if bool((last < T - 1).any()):
-            key_end = last
-        query_real = m[:, T - S :]
-        if bool(query_real.all()):
-            query_real = None
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        if B != 1 or S != T:
-            raise ValueError(
-                f"cu_seq_lens_q (packed sequences) needs batch size 1 and no cached keys; got batch {B}, "
-                f"{S} queries over {T} keys"
-            )
-        cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k.to(cu.device), cu):
-            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; hyscale_hf supports self-attention packing only")
-        cu_seqlens = cu.to(device)
-    elif attention_mask is None and S == T and kwargs.get("position_ids") is not None:
-        seg = _segment_starts(kwargs["position_ids"].to(device), B, S)
-        if seg is not None:
-            if B == 1:
-                starts = torch.unique(seg[0])
-                cu_seqlens = torch.cat([starts, starts.new_tensor([T])]).to(torch.int32)
-            else:
-                parts.append(seg)
-    if sliding_window is not None:
-        qpos = torch.arange(T - S, T, device=device)
-        parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
-    window_start = None
-    for p in parts:
-        p = p.to(device=device, dtype=torch.int64)
-        if window_start is None:
-            window_start = p
-        else:
-            if window_start.dim() != p.dim():
-                window_start = window_start[:, None].expand(B, S) if window_start.dim() == 1 else window_start
-                p = p[:, None].expand(B, S) if p.dim() == 1 else p
-            window_start = torch.maximum(window_start, p)
-    return _Visibility(cu_seqlens, window_start, key_end, query_real)
-
-
 # ----------------------------------------------------------------------------- attention
 
 
-def _dense_attention(q, k, v, vis: _Visibility, scaling: float) -> torch.Tensor:
+def _dense_attention(q, k, v, vis: Visibility, scaling: float) -> torch.Tensor:
     """Dense warm-up attention over every visible key: q [B, S, Hq, D], k/v [B, T, Hkv, D] -> [B, S, Hq, Dv]."""
     B, S, _, _ = q.shape
     T = k.shape[1]
@@ -204,7 +111,7 @@ def dense_sparse_attention(module, query, key, value, attention_mask, dropout=0.
         ik = indexer_cache_layer(call.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
     elif T != S:
         raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
-    vis = _visibility(attention_mask, kwargs, B, S, T, sliding_window, query.device)
+    vis = visibility(attention_mask, kwargs, B, S, T, sliding_window, query.device)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     relu = bool(cfg.relu)
     want_loss = module.training and torch.is_grad_enabled() and cfg.indexer_loss_coef > 0

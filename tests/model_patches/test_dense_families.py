@@ -60,8 +60,9 @@ def test_train_step_matches_unpatched_when_topk_covers(variant, warmup):
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    out_r = ref(ids, attention_mask=mask, labels=labels, use_cache=False)
-    out_p = pat(ids, attention_mask=mask, labels=labels, use_cache=False)
+    # Default use_cache (True), as the Trainer calls it: the forward fills a cache it then drops.
+    out_r = ref(ids, attention_mask=mask, labels=labels)
+    out_p = pat(ids, attention_mask=mask, labels=labels)
     out_r.loss.backward()
     out_p.loss.backward()
     _close(out_p.logits, out_r.logits)
