@@ -1,0 +1,226 @@
+"""End-to-end benchmark: one training step of a GLM-5-shaped model, and the longest trainable context.
+
+A training step is forward + backward + AdamW step with gradient checkpointing on every layer, on one
+sequence of T tokens (bf16). Four arms, each on the same token ids:
+
+  hyscale       patch_model(model): HyTopK + sparse MLA attention + selection replay
+  native        the unpatched Transformers glm_moe_dsa path (indexer score table + dense mask)
+  dense         the same dims as deepseek_v3 (MLA without indexer), SDPA attention
+  replay_off    patch_model(model, selection_replay=False)
+
+For each arm and T: median step time, tokens/s, peak memory, or "OOM". Then the longest context each
+arm trains at (doubling T from the largest length that fit until a step runs out of memory or takes
+longer than --step-cap-s). Writes JSON and a PNG plot.
+
+    python scripts/bench_e2e.py --out results/            # GPU: T = 16K..128K, then the search
+    python scripts/bench_e2e.py --tiny --out /tmp/e2e     # CPU smoke run at toy size
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  # noqa: E402
+
+import hyscale_hf  # noqa: E402
+
+ARMS = ("hyscale", "native", "dense", "replay_off")
+
+
+def make_arm(arm: str, dims: dict, layers: int, max_t: int, device, dtype):
+    if arm == "dense":
+        model = build_model(dims, layers, max_t, device, dtype, model_type="deepseek_v3", attn_implementation="sdpa")
+    else:
+        impl = "sdpa" if arm == "native" and device.type == "cuda" else "eager"
+        model = build_model(dims, layers, max_t, device, dtype, attn_implementation=impl)
+    if arm == "hyscale":
+        hyscale_hf.patch_model(model)
+    elif arm == "replay_off":
+        hyscale_hf.patch_model(model, selection_replay=False)
+    enable_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=device.type == "cuda")
+    return model, optimizer
+
+
+def free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int) -> dict:
+    ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = time_ms(step, device, reps)
+    ms = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {"T": T, "step_ms": ms, "times_ms": times, "tokens_per_s": T / ms * 1e3, "peak_gib": peak}
+
+
+def run_arm(arm: str, args, dims, device, dtype) -> dict:
+    """Timed lengths, then the doubling search for the longest trainable context."""
+    rows, longest = [], None
+    model, optimizer = make_arm(arm, dims, args.layers, max(args.search_max, max(args.seqlens)), device, dtype)
+    try:
+        for T in args.seqlens:
+            try:
+                row = measure(model, optimizer, T, dims["vocab_size"], device, args.warmup, args.reps)
+                longest = T
+            except Exception as err:  # noqa: BLE001 - only OOM is expected; others re-raised
+                if not is_oom(err):
+                    raise
+                row = {"T": T, "oom": True}
+            optimizer.zero_grad(set_to_none=True)
+            free(device)
+            print(f"{arm:>10} T={T:>7}: " + ("OOM" if row.get("oom") else
+                  f"{row['step_ms']:.0f} ms, {row['tokens_per_s']:.0f} tok/s, peak {row['peak_gib'] or 0:.1f} GiB"),
+                  flush=True)
+            rows.append(row)
+            if row.get("oom"):
+                break
+        search = []
+        if longest is not None and not args.no_search:
+            T = longest * 2
+            while T <= args.search_max:
+                try:
+                    r = measure(model, optimizer, T, dims["vocab_size"], device, 0, 1)
+                    search.append(r)
+                    longest = T
+                    print(f"{arm:>10} search T={T}: ok, {r['step_ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB",
+                          flush=True)
+                    if r["step_ms"] > args.step_cap_s * 1e3:
+                        break
+                except Exception as err:  # noqa: BLE001
+                    if not is_oom(err):
+                        raise
+                    search.append({"T": T, "oom": True})
+                    print(f"{arm:>10} search T={T}: OOM", flush=True)
+                    break
+                finally:
+                    optimizer.zero_grad(set_to_none=True)
+                    free(device)
+                T *= 2
+        return {"arm": arm, "rows": rows, "search": search, "longest_trained_T": longest}
+    finally:
+        del model, optimizer
+        free(device)
+
+
+def ratios(result: dict) -> dict:
+    """Step-time ratio of each arm to hyscale at each T where both ran."""
+    by_arm = {a["arm"]: {r["T"]: r for r in a["rows"] if not r.get("oom")} for a in result["arms"]}
+    out = {}
+    for arm, rows in by_arm.items():
+        if arm == "hyscale":
+            continue
+        out[arm] = {str(T): rows[T]["step_ms"] / by_arm["hyscale"][T]["step_ms"]
+                    for T in rows if T in by_arm.get("hyscale", {})}
+    return out
+
+
+def tokens(T: int) -> str:
+    return f"{T // 1024}K" if T >= 1024 and T % 1024 == 0 else str(T)
+
+
+def table(result: dict) -> str:
+    seqlens = result["seqlens"]
+    head = "arm         | " + " | ".join(f"T={tokens(T)} ms (GiB)" for T in seqlens) + " | longest T"
+    lines = [head]
+    for a in result["arms"]:
+        cells = []
+        rows = {r["T"]: r for r in a["rows"]}
+        for T in seqlens:
+            r = rows.get(T)
+            peak = "-" if r is None or r.get("peak_gib") is None else f"{r['peak_gib']:.0f}"
+            cells.append("-" if r is None else "OOM" if r.get("oom") else f"{r['step_ms']:.0f} ({peak})")
+        lines.append(f"{a['arm']:<11} | " + " | ".join(f"{c:>16}" for c in cells) + f" | {a['longest_trained_T']}")
+    for arm, rs in result["ratios_vs_hyscale"].items():
+        lines.append(f"{arm} / hyscale step time: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in rs.items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for a in result["arms"]:
+        rows = [r for r in a["rows"] + a["search"] if not r.get("oom")]
+        if rows:
+            ax1.plot([r["T"] for r in rows], [r["step_ms"] for r in rows], "o-", label=a["arm"])
+            if rows[0]["peak_gib"] is not None:
+                ax2.plot([r["T"] for r in rows], [r["peak_gib"] for r in rows], "o-", label=a["arm"])
+    for ax, ylabel in ((ax1, "step time (ms)"), (ax2, "peak memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per sequence")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(f"GLM-5-shaped training step ({result['layers']} layers, {result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="outputs/bench_e2e", help="folder for bench_e2e.json and bench_e2e.png")
+    p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--seqlens", nargs="+", type=int, default=None)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--search-max", type=int, default=None, help="largest T tried by the doubling search")
+    p.add_argument("--step-cap-s", type=float, default=60.0, help="stop the search once a step takes longer")
+    p.add_argument("--no-search", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dims = TINY if args.tiny else GLM5
+    args.seqlens = args.seqlens or ([32, 64] if args.tiny else [16384, 32768, 65536, 131072])
+    args.search_max = args.search_max or (256 if args.tiny else 1 << 20)
+    import transformers
+
+    result = {
+        "benchmark": "GLM-5-shaped training step (fwd+bwd+AdamW, gradient checkpointing)",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
+        "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
+        "arms": [run_arm(arm, args, dims, device, dtype) for arm in args.arms],
+    }
+    result["ratios_vs_hyscale"] = ratios(result)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, "bench_e2e.png"))
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

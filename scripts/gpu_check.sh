@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One call on the GPU host: GPU tests, the CPU suite under that host's Transformers (5.17), and the
+# benchmarks. Stages are named on the command line (default: all), e.g.
+#   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
+#   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
+# Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
+# results.tgz with everything; a summary table is printed last.
+set -u
+OUT=${OUT:-outputs/gpu_check}
+RES="$OUT/r"
+mkdir -p "$RES"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+stages=${*:-"tests compat kernels replay e2e"}
+summary="$OUT/summary.txt"
+: >"$summary"
+
+python3 - <<'PY' | tee "$RES/env.txt"
+import torch, triton, transformers
+print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+PY
+
+stage() {  # stage NAME TIMEOUT_S CMD...: run, log, record the exit status
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$RES/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s: $(tail -n 1 "$RES/$name.log")" | tee -a "$summary"
+}
+
+for s in $stages; do
+  case $s in
+    tests)   # every GPU-marked test
+      stage gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    compat)  # the CPU suite of the patches under the host's Transformers version, GPU hidden
+      CUDA_VISIBLE_DEVICES="" stage compat_tests 400 python3 -m pytest -q -p no:cacheprovider -x \
+        tests/model_patches tests/test_replay.py tests/test_replay_models.py ;;
+    kernels)
+      stage bench_hytopk 300 python3 scripts/bench_hytopk.py --out "$RES"
+      stage bench_sparse_attention 240 python3 scripts/bench_sparse_attention.py --out "$RES"
+      stage bench_indexer_loss 120 python3 scripts/bench_indexer_loss.py --out "$RES/bench_indexer_loss.json" ;;
+    replay)
+      stage bench_replay 300 python3 scripts/bench_replay.py --out "$RES" ;;
+    e2e)
+      stage bench_e2e 560 python3 scripts/bench_e2e.py --out "$RES" ;;
+    *) echo "unknown stage $s" | tee -a "$summary" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$RES" .
+echo "== summary"
+cat "$summary"
+for f in "$RES"/*.log; do echo "== $(basename "$f") (tail)"; tail -n 12 "$f"; done
