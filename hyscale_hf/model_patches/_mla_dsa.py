@@ -211,21 +211,24 @@ def _packed_starts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | Non
     return torch.where(is_start, arange, torch.zeros_like(arange)).cummax(dim=1).values
 
 
-def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int, has_cache: bool):
+def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int):
     """(cu_seqlens, window_start) narrowing each query's visible keys, as hytopk takes them.
 
     Packed sequences come as ``cu_seq_lens_q/k`` kwargs (DataCollatorWithFlattening) or as
-    ``position_ids`` resets (only without a padding mask and without a cache, as in Transformers);
-    left padding comes from the 2-D padding mask.
+    ``position_ids`` resets; left padding comes from the 2-D padding mask. Resets are looked for
+    whenever there is no cached prefix (``queries == keys``): Transformers looks only without a
+    cache object and without a padding mask, so an unpatched model run with ``use_cache=True`` on a
+    packed batch would attend across sequences; a patched one never selects across a boundary.
     """
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         cu = cu_q if cu_q is not None else cu_k
         if cu_q is not None and cu_k is not None and not torch.equal(cu_q, cu_k):
             raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal for causal self-attention over packed sequences")
-        if has_cache or queries != keys:
-            raise ValueError("cu_seq_lens_* (packed sequences) cannot be combined with a KV cache")
+        if queries != keys:
+            raise ValueError("cu_seq_lens_* (packed sequences) cannot be combined with a cached prefix")
         return cu.to(torch.int32), None
+    window_start = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
@@ -234,10 +237,12 @@ def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries:
         if attention_mask.shape[-1] < keys:
             raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} keys but there are {keys}")
         first = _first_real_key(attention_mask[:, :keys])
-        return None, (first if bool(first.any()) else None)
-    if position_ids is not None and not has_cache and queries == keys:
-        return None, _packed_starts(position_ids, batch)
-    return None, None
+        window_start = first if bool(first.any()) else None
+    if position_ids is not None and position_ids.dim() == 2 and queries == keys:
+        starts = _packed_starts(position_ids, batch)
+        if starts is not None:
+            window_start = starts if window_start is None else torch.maximum(starts, window_start[:, None])
+    return None, window_start
 
 
 # ----------------------------------------------------------------------------- caches
@@ -402,7 +407,7 @@ def mla_dsa_attention_forward(
     attn_q = torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)  # [B, S, H, C + R]
     attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, T, 1, C + R]
     value_dim = self.kv_lora_rank
-    cu_seqlens, window_start = key_windows(attention_mask, position_ids, kwargs, B, S, T, cache is not None)
+    cu_seqlens, window_start = key_windows(attention_mask, position_ids, kwargs, B, S, T)
 
     indexer = family.indexer(self)
     index_q = index_k = index_w = None
@@ -421,8 +426,10 @@ def mla_dsa_attention_forward(
         loss_indices = None
     else:
         if indexer is not None:
-            topk_indices = hytopk(index_q, index_k, index_w, min(cfg.topk, T), cu_seqlens=cu_seqlens,
-                                  window_start=window_start, relu=cfg.relu, backend=cfg.backend)
+            # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
+            topk_indices = hytopk(index_q.detach(), index_k.detach(), index_w.detach(), min(cfg.topk, T),
+                                  cu_seqlens=cu_seqlens, window_start=window_start, relu=cfg.relu,
+                                  backend=cfg.backend)
         else:
             if prev_topk_indices is None:
                 raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
