@@ -470,6 +470,11 @@ def mla_dsa_attention_forward(
         loss_indices = topk_indices
 
     if sinks is not None:
+        if torch.is_grad_enabled() and o_latent.requires_grad and lse.grad_fn is None:
+            raise RuntimeError(
+                f"attention sinks need gradients through the sparse attention's lse, which backend "
+                f"{cfg.backend!r} does not provide; use backend='torch' for {family.model_type}"
+            )
         sink = sinks.float()
         o_latent = o_latent * torch.sigmoid(lse - sink).to(o_latent.dtype)[..., None]
         lse = torch.logaddexp(lse, sink)  # the softmax normaliser including the sink, for the KL target

@@ -47,3 +47,22 @@ def test_indexer_learns_only_from_its_loss():
 
 def test_dense_warmup_attends_to_all_keys():
     dsa_checks.check_dense_warmup(FAMILY)
+
+
+def test_full_attention_layers_run_dense_without_a_mask_tensor():
+    """A dots3 config may mix dense "full_attention" layers in; patched, they attend over every
+    visible key (padding included) and match the unpatched model."""
+    import torch
+
+    ref, _ = dsa_checks.build(FAMILY, index_topk=5, use_dsa=None,
+                              layer_types=["indexed_attention", "full_attention", "sliding_attention"])
+    assert ref.config.layer_types[1] == "full_attention"
+    pat = dsa_checks.patched_copy(ref)
+    x = dsa_checks.tokens(2, 16)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        for m in (None, mask):
+            real = torch.ones_like(x, dtype=torch.bool) if m is None else m.bool()
+            dsa_checks.assert_close(ref(x, attention_mask=m).logits[real], pat(x, attention_mask=m).logits[real],
+                                    what="dots3 with a full-attention layer")

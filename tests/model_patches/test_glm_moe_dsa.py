@@ -52,6 +52,7 @@ def test_dense_warmup_attends_to_all_keys():
 # ----------------------------------------------------------------------------- GLM-5 specifics
 
 import copy  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
@@ -95,6 +96,14 @@ def test_indexshare_shared_layer_reuses_its_source_of_the_same_forward(monkeypat
     forward_source = selections[0][1]
     for reused_input, copied in reuses:
         assert reused_input is forward_source and torch.equal(copied, forward_source)
+
+
+def test_generate_with_a_static_cache_matches_unpatched():
+    ref, _ = build(FAMILY, index_topk=4)
+    pat = dsa_checks.patched_copy(ref)
+    x = dsa_checks.tokens(2, 10, seed=3)
+    kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(pat.generate(x, **kwargs), ref.generate(x, **kwargs))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -179,6 +188,8 @@ def test_t8192_forward_backward_allocates_nothing_quadratic():
     model's whole extra peak (activations for backward included) must stay far below that."""
     root = Path(__file__).resolve().parents[2]
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PATH": "/usr/bin:/bin"}  # freed blocks return to the OS
+    if "PYTHONPATH" in os.environ:  # the same Transformers as this process
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
