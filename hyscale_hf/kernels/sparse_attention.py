@@ -2,18 +2,463 @@
 
 Layout (DESIGN section 3): Triton kernels, host launch functions, the autograd wrapper, the public
 function. The torch path is ``reference.sparse_attention_reference`` (autograd through gathers).
-"""
 
-from __future__ import annotations
+Kernel design (DESIGN section 6). One program owns one query token and a block of the query heads
+that share one KV head (MLA absorbed: all heads share the single latent row, so up to 64 heads form
+the matmul M side; GQA: the G heads of one KV head, padded to 16 rows). It gathers the token's
+selected key rows ``BLOCK_N`` at a time and runs an online softmax. The key dim is split into a
+power-of-two part and a power-of-two tail (576 = 512 + 64), because Triton tiles need powers of two;
+when ``v`` is the first ``Dv`` dims of ``k`` (MLA) the gathered key tile doubles as the value tile.
+
+Backward recomputes P from the forward's log-sum-exp, keeps dQ in registers, and produces each
+(query, key) pair's dK/dV contribution with tensor-core products. Those contributions reach the
+fp32 ``[B, T, Hkv, Dk (+Dv)]`` accumulator one of two ways:
+
+- fast (default): fp32 atomic adds; the summation order varies from run to run;
+- deterministic: each query chunk writes its contributions to a scratch buffer, the chunk's pairs
+  are sorted by key (a stable sort, so by query within a key), and one program per key sums them in
+  that fixed order. Bit-identical results across runs, no atomics, at the price of the scratch
+  traffic. Chosen by ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)``.
+
+When ``v`` is a view of the first ``Dv`` dims of ``k`` that autograd knows about (``v = k[..., :512]``),
+dV is added into the same accumulator rows as dK (one buffer, half the atomics on those dims) and the
+whole gradient is returned for ``k``; autograd's view machinery then routes it to the shared storage.
+"""
 
 import torch
 
 from . import reference
 from ._checks import check_dim, check_indices, check_same_device, check_tensor, resolve_backend
 
-# ----------------------------------------------------------------------------- Triton backend
+try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference exists.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
 
-_TRITON_KERNEL = None  # set to a differentiable (q, k, v, indices, scale) -> (o, lse) once it exists
+_LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_attn_fwd_kernel(
+        Q, K, V, IDX, O, LSE,
+        stride_qb, stride_qs, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ib, stride_is, stride_ik,
+        stride_ob, stride_os, stride_oh, stride_od,
+        stride_lb, stride_ls, stride_lh,
+        num_idx, num_kv_heads, group, num_head_blocks,
+        qk_scale,
+        D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        """o and lse of one query token for BLOCK_H heads of one KV head; grid (S, B * Hkv * NHB)."""
+        t = tl.program_id(0).to(tl.int64)
+        pid = tl.program_id(1)
+        hb = pid % num_head_blocks
+        g = (pid // num_head_blocks) % num_kv_heads
+        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+
+        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # head index inside the KV group
+        hmask = offs_hg < group
+        heads = (g * group + offs_hg).to(tl.int64)
+        offs_d1 = tl.arange(0, D1)
+        offs_v = tl.arange(0, DV)
+
+        q_rows = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+        q1 = tl.load(q_rows + offs_d1[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        if D2 > 0:
+            offs_d2 = D1 + tl.arange(0, D2)
+            q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        k_base = K + b * stride_kb + g * stride_kh
+        v_base = V + b * stride_vb + g * stride_vh
+        idx_row = IDX + b * stride_ib + t * stride_is
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, in log2 units
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, DV], tl.float32)
+        for start in range(0, num_idx, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < num_idx, other=-1)
+            valid = kid >= 0
+            k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
+            k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+            if D2 > 0:
+                k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep p = 0
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if V_FROM_K:
+                vt = k1
+            else:
+                v_rows = v_base + kid.to(tl.int64)[:, None] * stride_vt
+                vt = tl.load(v_rows + offs_v[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+            acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=DOT_PREC)
+            m_i = m_new
+
+        has_key = l_i > 0
+        l_safe = tl.where(has_key, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o_rows = O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
+        tl.store(o_rows + offs_v[None, :] * stride_od, out.to(O.dtype.element_ty), mask=hmask[:, None])
+        tl.store(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, lse, mask=hmask)
+
+    @triton.jit
+    def _sparse_attn_bwd_kernel(
+        Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DKV,
+        stride_qb, stride_qs, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ib, stride_is, stride_ik,
+        stride_ob, stride_os, stride_oh, stride_od,
+        stride_dob, stride_dos, stride_doh, stride_dod,
+        stride_lb, stride_ls, stride_lh,
+        stride_dlb, stride_dls, stride_dlh,
+        stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+        stride_ab, stride_at, stride_ah,
+        t_offset, chunk_len, num_idx, num_kv_heads, group, num_head_blocks,
+        sm_scale, qk_scale,
+        D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
+        MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        """dQ of one query token (BLOCK_H heads of one KV head) and its pairs' dK/dV contributions.
+
+        Grid (chunk_len, B * Hkv * NHB); the token is ``t_offset + program_id(0)``. The contribution
+        of pair (token, slot j) goes to DKV row ``(b, key)`` by fp32 atomics, or with ``SCRATCH`` to
+        scratch row ``(b * chunk_len + token - t_offset) * num_idx + j`` (head slot g * NHB + hb).
+        Columns: ``[0, D1 + D2)`` dK, then ``[D1 + D2, D1 + D2 + DV)`` dV unless ``MERGE_DV`` adds
+        dV into the first DV (= D1) columns.
+        """
+        t_local = tl.program_id(0).to(tl.int64)
+        t = t_offset + t_local
+        pid = tl.program_id(1)
+        hb = pid % num_head_blocks
+        g = (pid // num_head_blocks) % num_kv_heads
+        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+
+        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_hg < group
+        heads = (g * group + offs_hg).to(tl.int64)
+        offs_d1 = tl.arange(0, D1)
+        offs_v = tl.arange(0, DV)
+
+        q_rows = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+        q1 = tl.load(q_rows + offs_d1[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        if D2 > 0:
+            offs_d2 = D1 + tl.arange(0, D2)
+            q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        do_rows = DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh
+        do = tl.load(do_rows + offs_v[None, :] * stride_dod, mask=hmask[:, None], other=0.0)
+        o_rows = O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
+        o = tl.load(o_rows + offs_v[None, :] * stride_od, mask=hmask[:, None], other=0.0)
+        # delta = rowsum(dO * O) - dlse: d(loss)/d(logit_j) = p_j * (dp_j - delta)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        if HAS_DLSE:
+            dlse = tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
+            delta = delta - dlse
+        lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, mask=hmask, other=0.0)
+        lse2 = lse * 1.4426950408889634
+
+        k_base = K + b * stride_kb + g * stride_kh
+        v_base = V + b * stride_vb + g * stride_vh
+        idx_row = IDX + b * stride_ib + t * stride_is
+        if SCRATCH:
+            pair_base = DKV + (g * num_head_blocks + hb) * stride_ah
+            pair0 = (b * chunk_len + t_local) * num_idx
+        else:
+            key_base = DKV + b * stride_ab + g * stride_ah
+
+        dq1 = tl.zeros([BLOCK_H, D1], tl.float32)
+        if D2 > 0:
+            dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
+        for start in range(0, num_idx, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < num_idx, other=-1)
+            valid = kid >= 0
+            k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
+            k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+            if D2 > 0:
+                k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+            if V_FROM_K:
+                vt = k1
+            else:
+                v_rows = v_base + kid.to(tl.int64)[:, None] * stride_vt
+                vt = tl.load(v_rows + offs_v[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+            live = valid[None, :] & hmask[:, None]
+            p = tl.where(live, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            ds_lp = ds.to(k1.dtype)
+            dq1 = tl.dot(ds_lp, k1, dq1, input_precision=DOT_PREC)
+            dk1 = tl.dot(tl.trans(ds_lp), q1, input_precision=DOT_PREC) * sm_scale
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+            if MERGE_DV:
+                dk1 += dv
+            if SCRATCH:
+                rows = pair_base + (pair0 + offs_n)[:, None] * stride_at
+            else:
+                rows = key_base + kid.to(tl.int64)[:, None] * stride_at
+            wmask = valid[:, None]
+            if SCRATCH:
+                tl.store(rows + offs_d1[None, :], dk1, mask=wmask)
+            else:
+                tl.atomic_add(rows + offs_d1[None, :], dk1, mask=wmask, sem="relaxed")
+            if D2 > 0:
+                dq2 = tl.dot(ds_lp, k2, dq2, input_precision=DOT_PREC)
+                dk2 = tl.dot(tl.trans(ds_lp), q2, input_precision=DOT_PREC) * sm_scale
+                if SCRATCH:
+                    tl.store(rows + offs_d2[None, :], dk2, mask=wmask)
+                else:
+                    tl.atomic_add(rows + offs_d2[None, :], dk2, mask=wmask, sem="relaxed")
+            if not MERGE_DV:
+                if SCRATCH:
+                    tl.store(rows + (D1 + D2 + offs_v)[None, :], dv, mask=wmask)
+                else:
+                    tl.atomic_add(rows + (D1 + D2 + offs_v)[None, :], dv, mask=wmask, sem="relaxed")
+
+        dq_rows = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
+        tl.store(dq_rows + offs_d1[None, :] * stride_dqd, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
+        if D2 > 0:
+            tl.store(dq_rows + offs_d2[None, :] * stride_dqd, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+    @triton.jit
+    def _scratch_reduce_kernel(
+        SCR, PERM, SEG_START, SEG_KEY, ACC,
+        stride_sp, stride_sh, stride_ab, stride_at, stride_ah,
+        num_keys, num_head_blocks, num_cols,
+        BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """ACC[b, key, g, cols] += sum of one key's scratch rows, in sorted (query) order.
+
+        Grid (unique keys of the chunk, Hkv, column blocks). Each (key, g, columns) has exactly one
+        program, so the read-modify-write needs no atomics and the order is fixed.
+        """
+        u = tl.program_id(0)
+        g = tl.program_id(1)
+        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < num_cols
+        lo = tl.load(SEG_START + u)
+        hi = tl.load(SEG_START + u + 1)
+        key = tl.load(SEG_KEY + u)
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for i in range(lo, hi):
+            row = SCR + tl.load(PERM + i) * stride_sp + (g * num_head_blocks) * stride_sh
+            for hb in range(num_head_blocks):
+                acc += tl.load(row + hb * stride_sh + cols, mask=cmask, other=0.0)
+        b = key // num_keys
+        s = key % num_keys
+        dst = ACC + b * stride_ab + s * stride_at + g * stride_ah + cols
+        tl.store(dst, tl.load(dst, mask=cmask, other=0.0) + acc, mask=cmask)
+
+
+# ----------------------------------------------------------------------------- host launches
+
+# Bytes of fp32 scratch one deterministic backward chunk may use.
+SCRATCH_BYTES = 1 << 30
+
+# Launch configs, keyed by kernel; tests and the tuning script override entries (BLOCK_N etc.).
+_CONFIG_OVERRIDES: dict = {}
+
+
+def _split_key_dim(d: int) -> tuple[int, int]:
+    """d = D1 + D2 with D1 the largest power of two <= d; (0, 0) if D2 is not a power of two >= 16."""
+    d1 = 1 << (d.bit_length() - 1)
+    d2 = d - d1
+    if d1 < 16 or (d2 and (d2 < 16 or d2 & (d2 - 1))):
+        return 0, 0
+    return d1, d2
+
+
+def _v_is_k_prefix(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v's elements are k's first Dv dims (same storage, offset and strides): ``v = k[..., :Dv]``."""
+    return (
+        v.data_ptr() == k.data_ptr()
+        and v.shape[:3] == k.shape[:3]
+        and v.stride() == k.stride()
+        and v.shape[3] <= k.shape[3]
+        and v.dtype == k.dtype
+    )
+
+
+def _v_grad_flows_into_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when autograd routes v's gradient into the storage of k (v is a view of k's base)."""
+    if not (k.requires_grad and v.requires_grad and _v_is_k_prefix(k, v)):
+        return False
+    base = k if k._base is None else k._base
+    return v._base is not None and v._base is base
+
+
+def triton_unsupported_reason(q, k, v) -> str | None:
+    """Why the Triton kernel cannot take these inputs (None if it can)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype for the Triton kernel, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton kernel takes float16/bfloat16/float32, got {q.dtype}"
+    dqk, dv = q.shape[-1], v.shape[-1]
+    d1, _ = _split_key_dim(dqk)
+    if d1 == 0:
+        return f"Dqk = {dqk} must be a power of two >= 16 plus an optional power-of-two tail >= 16 (e.g. 576 = 512 + 64)"
+    if dv < 16 or dv & (dv - 1):
+        return f"Dv = {dv} must be a power of two >= 16 for the Triton kernel"
+    return None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _config(kind: str, group: int, dqk: int, dv: int, num_idx: int) -> dict:
+    """Block sizes and launch options; ``kind`` is "fwd" or "bwd"."""
+    block_h = min(64, max(16, _next_pow2(group)))
+    wide = dqk + dv > 512  # MLA absorbed rows (576 + 512): big tiles, shared-memory bound
+    if kind == "fwd":
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=64 if not wide else 32, num_warps=8 if block_h >= 64 else 4, num_stages=2)
+    else:
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8 if block_h >= 64 else 4, num_stages=1 if wide else 2)
+    cfg.update(_CONFIG_OVERRIDES.get(kind, {}))
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, _next_pow2(num_idx)))
+    return cfg
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full fp32 products (not tf32): the fp32 path is the accuracy path.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _sparse_attention_fwd(q, k, v, indices, scale: float):
+    B, S, Hq, Dqk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
+    group = Hq // Hkv
+    d1, d2 = _split_key_dim(Dqk)
+    v_from_k = _v_is_k_prefix(k, v) and Dv == d1
+    cfg = _config("fwd", group, Dqk, Dv, indices.shape[2])
+    nhb = triton.cdiv(group, cfg["BLOCK_H"])
+    o = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    if S == 0:
+        return o, lse
+    grid = (S, B * Hkv * nhb)
+    _sparse_attn_fwd_kernel[grid](
+        q, k, v, indices, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *lse.stride(),
+        indices.shape[2], Hkv, group, nhb, scale * _LOG2E,
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return o, lse
+
+
+def _sparse_attention_bwd(q, k, v, indices, o, lse, do, dlse, scale: float, merge_dv: bool, deterministic: bool):
+    """Returns (dq, dk, dv); dv is None when ``merge_dv`` folded it into dk."""
+    B, S, Hq, Dqk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    K = indices.shape[2]
+    group = Hq // Hkv
+    d1, d2 = _split_key_dim(Dqk)
+    v_from_k = _v_is_k_prefix(k, v) and Dv == d1
+    merge_dv = merge_dv and v_from_k
+    cfg = _config("bwd", group, Dqk, Dv, K)
+    nhb = triton.cdiv(group, cfg["BLOCK_H"])
+    ncol = Dqk if merge_dv else Dqk + Dv
+    dq = torch.empty(B, S, Hq, Dqk, dtype=q.dtype, device=q.device)
+    acc = torch.zeros(B, T, Hkv, ncol, dtype=torch.float32, device=q.device)
+    has_dlse = dlse is not None
+    dlse_t = dlse if has_dlse else lse  # any fp32 [B, S, Hq] tensor; unread without HAS_DLSE
+
+    def launch(t0: int, count: int, target: torch.Tensor, strides: tuple, scratch: bool):
+        _sparse_attn_bwd_kernel[(count, B * Hkv * nhb)](
+            q, k, v, indices, o, do, lse, dlse_t, dq, target,
+            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *do.stride(),
+            *lse.stride(), *dlse_t.stride(), *dq.stride(), *strides,
+            t0, count, K, Hkv, group, nhb, scale, scale * _LOG2E,
+            D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, MERGE_DV=merge_dv, HAS_DLSE=has_dlse, SCRATCH=scratch,
+            BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    if S == 0:
+        pass
+    elif not deterministic:
+        launch(0, S, acc, (acc.stride(0), acc.stride(1), acc.stride(2)), scratch=False)
+    else:
+        _deterministic_dkv(indices, acc, launch, nhb, ncol)
+    dk = acc[..., :Dqk].to(k.dtype)
+    dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
+    return dq, dk, dv
+
+
+def _deterministic_dkv(indices, acc, launch, nhb: int, ncol: int) -> None:
+    """Query chunk by query chunk: contributions to scratch, then an ordered per-key sum into acc."""
+    B, S, K = indices.shape
+    T, Hkv = acc.shape[1], acc.shape[2]
+    row_bytes = Hkv * nhb * ncol * 4
+    chunk = max(1, min(S, SCRATCH_BYTES // max(1, B * K * row_bytes)))
+    scratch = torch.empty(B * chunk * K, Hkv * nhb, ncol, dtype=torch.float32, device=acc.device)
+    batch_key = torch.arange(B, device=acc.device, dtype=torch.int64)[:, None, None] * T
+    block_c = 64
+    for t0 in range(0, S, chunk):
+        count = min(chunk, S - t0)
+        launch(t0, count, scratch, (0, scratch.stride(0), scratch.stride(1)), scratch=True)
+        idx = indices[:, t0 : t0 + count]
+        keys = torch.where(idx >= 0, idx.to(torch.int64) + batch_key, B * T).flatten()
+        sorted_keys, perm = torch.sort(keys, stable=True)
+        n_valid = int((idx >= 0).sum())
+        if n_valid == 0:
+            continue
+        seg_key, counts = torch.unique_consecutive(sorted_keys[:n_valid], return_counts=True)
+        seg_start = torch.zeros(seg_key.numel() + 1, dtype=torch.int64, device=acc.device)
+        torch.cumsum(counts, 0, out=seg_start[1:])
+        grid = (seg_key.numel(), Hkv, triton.cdiv(ncol, block_c))
+        _scratch_reduce_kernel[grid](
+            scratch, perm, seg_start, seg_key, acc,
+            scratch.stride(0), scratch.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+            T, nhb, ncol, BLOCK_C=block_c,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- autograd wrapper
+
+
+class _SparseAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic):
+        o, lse = _sparse_attention_fwd(q, k, v, indices, scale)
+        ctx.save_for_backward(q, k, v, indices, o, lse)
+        ctx.scale, ctx.merge_dv, ctx.deterministic = scale, merge_dv, deterministic
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, indices, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _sparse_attention_bwd(
+            q, k, v, indices, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def _triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False):
+    """Differentiable Triton sparse attention: (o [B, S, Hq, Dv] in q's dtype, lse [B, S, Hq] fp32)."""
+    merge_dv = _v_grad_flows_into_k(k, v)
+    return _SparseAttentionFn.apply(q, k, v, indices.contiguous(), float(scale), merge_dv, bool(deterministic))
+
+
+_TRITON_KERNEL = _triton_sparse_attention if triton is not None else None
 
 
 # ----------------------------------------------------------------------------- public function
@@ -28,11 +473,13 @@ def sparse_attention(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    deterministic: bool | None = None,
 ):
     """``o[b, i, h] = sum_{s in S_i} softmax_s(scale * q[b, i, h] . k[b, s, g(h)]) v[b, s, g(h)]``.
 
     ``S_i`` is the set in ``indices[b, i]`` (one set per query, shared by all heads; ``-1``
-    entries are skipped). ``g(h) = h // (Hq // Hkv)`` maps query heads to KV heads.
+    entries are skipped; a repeated index counts once per occurrence, as in the reference).
+    ``g(h) = h // (Hq // Hkv)`` maps query heads to KV heads.
     MLA absorbed form: ``Hkv = 1``, ``k`` the latent rows ``[B, T, 1, 576]`` and ``v`` a view of
     their first 512 dims (``k[..., :512]``); gradients of both add into ``k``'s buffer.
 
@@ -43,8 +490,15 @@ def sparse_attention(
         indices: int32 ``[B, S, K]`` with entries in ``[-1, T)``.
         scale: softmax scale; default ``Dqk ** -0.5``.
         return_lse: also return the fp32 log-sum-exp ``[B, S, Hq]`` (``-inf`` for a query with no
-            selected key, whose output is 0).
-        backend: ``"auto"`` | ``"torch"`` | ``"triton"``.
+            selected key, whose output is 0). The lse is differentiable too.
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"``. The Triton kernel takes q, k, v of one
+            dtype (fp16/bf16/fp32), ``Dv`` a power of two >= 16 and ``Dqk`` a power of two >= 16
+            plus an optional power-of-two tail >= 16 (576 = 512 + 64); ``"auto"`` uses the
+            reference for anything else.
+        deterministic: Triton backward only. ``False``: dK/dV accumulate with fp32 atomics (fastest;
+            the summation order, hence the last bits, vary between runs). ``True``: an ordered,
+            atomic-free accumulation through a scratch buffer (bit-reproducible, slower). ``None``
+            (default) follows ``torch.are_deterministic_algorithms_enabled()``.
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
@@ -56,7 +510,7 @@ def sparse_attention(
     check_dim("k", k, 0, B, kdoc)
     check_dim("k", k, 3, Dqk, kdoc)
     T, Hkv = k.shape[1], k.shape[2]
-    if Hq % Hkv:
+    if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q has Hq = {Hq} heads, not a multiple of k's Hkv = {Hkv} heads")
     vdoc = f"[B={B}, T={T}, Hkv={Hkv}, Dv]"
     check_tensor("v", v, 4, vdoc)
@@ -64,11 +518,20 @@ def sparse_attention(
         check_dim("v", v, dim, size, vdoc)
     check_same_device(q=q, k=k, v=v, indices=indices)
     check_indices(indices, B, S, T)
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
     if scale is None:
         scale = Dqk**-0.5
+    unsupported = triton_unsupported_reason(q, k, v) if _TRITON_KERNEL is not None else "no Triton"
+    if backend == "auto" and unsupported is not None:
+        backend = "torch"
     chosen = resolve_backend(backend, q.device, _TRITON_KERNEL is not None)
     if chosen == "triton":
-        o, lse = _TRITON_KERNEL(q, k, v, indices, scale)
+        if unsupported is not None:
+            raise ValueError(f"backend='triton' cannot take these inputs: {unsupported}")
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        o, lse = _TRITON_KERNEL(q, k, v, indices, scale, deterministic=deterministic)
     else:
         o, lse = reference.sparse_attention_reference(q, k, v, indices, scale)
     return (o, lse) if return_lse else o
