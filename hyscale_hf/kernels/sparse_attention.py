@@ -44,7 +44,7 @@ if triton is not None:
 
     @triton.jit
     def _sparse_attn_fwd_kernel(
-        Q, K, V, IDX, O, LSE,
+        Q, K, V, IDX, OUT, LSE,
         stride_qb, stride_qs, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
@@ -109,13 +109,13 @@ if triton is not None:
         l_safe = tl.where(has_key, l_i, 1.0)
         out = acc / l_safe[:, None]
         lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        o_rows = O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
-        tl.store(o_rows + offs_v[None, :] * stride_od, out.to(O.dtype.element_ty), mask=hmask[:, None])
+        o_rows = OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
+        tl.store(o_rows + offs_v[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=hmask[:, None])
         tl.store(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, lse, mask=hmask)
 
     @triton.jit
     def _sparse_attn_bwd_kernel(
-        Q, K, V, IDX, O, DO, LSE, DLSE, DQ, DKV,
+        Q, K, V, IDX, OUT, DO, LSE, DLSE, DQ, DKV,
         stride_qb, stride_qs, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
@@ -160,7 +160,7 @@ if triton is not None:
             q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
         do_rows = DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh
         do = tl.load(do_rows + offs_v[None, :] * stride_dod, mask=hmask[:, None], other=0.0)
-        o_rows = O + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
+        o_rows = OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
         o = tl.load(o_rows + offs_v[None, :] * stride_od, mask=hmask[:, None], other=0.0)
         # delta = rowsum(dO * O) - dlse: d(loss)/d(logit_j) = p_j * (dp_j - delta)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
