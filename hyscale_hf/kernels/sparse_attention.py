@@ -168,7 +168,8 @@ if triton is not None:
             dlse = tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
             delta = delta - dlse
         lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, mask=hmask, other=0.0)
-        lse2 = lse * 1.4426950408889634
+        # A query with no key has lse = -inf and p = 0 everywhere; keep exp2's argument finite.
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
 
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh
@@ -235,6 +236,176 @@ if triton is not None:
             tl.store(dq_rows + offs_d2[None, :] * stride_dqd, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
 
     @triton.jit
+    def _sparse_attn_bwd_dkv_kernel(
+        Q, K, V, IDX, OUT, DO, LSE, DLSE, DS, DKV,
+        stride_qb, stride_qs, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ib, stride_is, stride_ik,
+        stride_ob, stride_os, stride_oh, stride_od,
+        stride_dob, stride_dos, stride_doh, stride_dod,
+        stride_lb, stride_ls, stride_lh,
+        stride_dlb, stride_dls, stride_dlh,
+        stride_dsb, stride_dss, stride_dsh,
+        stride_ab, stride_at, stride_ah,
+        t_offset, chunk_len, num_idx, num_kv_heads, group, num_head_blocks,
+        sm_scale, qk_scale,
+        D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
+        MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        """Split backward, part 1 (wide rows, MLA): dS to a buffer and the pairs' dK/dV contributions.
+
+        Same programs and destinations as ``_sparse_attn_bwd_kernel`` but without the dQ
+        accumulator ([64, 576] fp32 does not fit next to the rest in registers): it stores
+        ``scale * dS`` (q's dtype) to ``DS[b, token - t_offset, head, slot]`` for the dQ kernel, and
+        forms the contributions transposed (``Q^T dS``: key dims as the matmul M side), which keeps
+        one shared-memory copy of Q and dO.
+        """
+        t_local = tl.program_id(0).to(tl.int64)
+        t = t_offset + t_local
+        pid = tl.program_id(1)
+        hb = pid % num_head_blocks
+        g = (pid // num_head_blocks) % num_kv_heads
+        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+
+        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_hg < group
+        heads = (g * group + offs_hg).to(tl.int64)
+        offs_d1 = tl.arange(0, D1)
+        offs_v = tl.arange(0, DV)
+
+        q_rows = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
+        q1 = tl.load(q_rows + offs_d1[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        if D2 > 0:
+            offs_d2 = D1 + tl.arange(0, D2)
+            q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        do_rows = DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh
+        do = tl.load(do_rows + offs_v[None, :] * stride_dod, mask=hmask[:, None], other=0.0)
+        o_rows = OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
+        o = tl.load(o_rows + offs_v[None, :] * stride_od, mask=hmask[:, None], other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        if HAS_DLSE:
+            dlse = tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
+            delta = delta - dlse
+        lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, mask=hmask, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+
+        k_base = K + b * stride_kb + g * stride_kh
+        v_base = V + b * stride_vb + g * stride_vh
+        idx_row = IDX + b * stride_ib + t * stride_is
+        ds_rows = DS + b * stride_dsb + t_local * stride_dss + heads[:, None] * stride_dsh
+        if SCRATCH:
+            pair_base = DKV + (g * num_head_blocks + hb) * stride_ah
+            pair0 = (b * chunk_len + t_local) * num_idx
+        else:
+            key_base = DKV + b * stride_ab + g * stride_ah
+
+        for start in range(0, num_idx, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            in_row = offs_n < num_idx
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=in_row, other=-1)
+            valid = kid >= 0
+            k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
+            k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+            if D2 > 0:
+                k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+            if V_FROM_K:
+                vt = k1
+            else:
+                v_rows = v_base + kid.to(tl.int64)[:, None] * stride_vt
+                vt = tl.load(v_rows + offs_v[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+            live = valid[None, :] & hmask[:, None]
+            p = tl.where(live, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
+            ds = ((p * (dp - delta[:, None])) * sm_scale).to(q1.dtype)
+            tl.store(ds_rows + offs_n[None, :], ds, mask=hmask[:, None] & in_row[None, :])
+            pt = p.to(do.dtype)
+            # Contributions transposed: [key dims, keys]; element (d, n) goes to row kid[n], column d.
+            if SCRATCH:
+                cols = pair_base + (pair0 + offs_n)[None, :] * stride_at
+            else:
+                cols = key_base + kid.to(tl.int64)[None, :] * stride_at
+            wmask = valid[None, :]
+            c1 = tl.dot(tl.trans(q1), ds, input_precision=DOT_PREC)
+            if MERGE_DV:
+                c1 = tl.dot(tl.trans(do), pt, c1, input_precision=DOT_PREC)
+            if SCRATCH:
+                tl.store(cols + offs_d1[:, None], c1, mask=wmask)
+            else:
+                tl.atomic_add(cols + offs_d1[:, None], c1, mask=wmask, sem="relaxed")
+            if D2 > 0:
+                c2 = tl.dot(tl.trans(q2), ds, input_precision=DOT_PREC)
+                if SCRATCH:
+                    tl.store(cols + offs_d2[:, None], c2, mask=wmask)
+                else:
+                    tl.atomic_add(cols + offs_d2[:, None], c2, mask=wmask, sem="relaxed")
+            if not MERGE_DV:
+                cv = tl.dot(tl.trans(do), pt, input_precision=DOT_PREC)
+                if SCRATCH:
+                    tl.store(cols + (D1 + D2 + offs_v)[:, None], cv, mask=wmask)
+                else:
+                    tl.atomic_add(cols + (D1 + D2 + offs_v)[:, None], cv, mask=wmask, sem="relaxed")
+
+    @triton.jit
+    def _sparse_attn_bwd_dq_kernel(
+        DS, K, IDX, DQ,
+        stride_dsb, stride_dss, stride_dsh,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_ib, stride_is, stride_ik,
+        stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+        t_offset, num_idx, num_kv_heads, group, num_head_blocks,
+        D1: tl.constexpr, D2: tl.constexpr, SLAB: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        """Split backward, part 2: dQ[:, SLAB columns] = dS @ K[selected, columns] for one token.
+
+        Grid (chunk_len, B * Hkv * NHB, D1 // SLAB); the last column slab also owns the D2 tail.
+        """
+        t_local = tl.program_id(0).to(tl.int64)
+        t = t_offset + t_local
+        pid = tl.program_id(1)
+        j = tl.program_id(2)
+        hb = pid % num_head_blocks
+        g = (pid // num_head_blocks) % num_kv_heads
+        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+
+        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = offs_hg < group
+        heads = (g * group + offs_hg).to(tl.int64)
+        offs_c = j * SLAB + tl.arange(0, SLAB)
+        # Vector forms of "this program owns the D2 tail" (masks need tensors, not a scalar bool).
+        last_n = (tl.zeros([BLOCK_N], tl.int32) + j) == D1 // SLAB - 1
+        last_h = (tl.zeros([BLOCK_H], tl.int32) + j) == D1 // SLAB - 1
+        k_base = K + b * stride_kb + g * stride_kh
+        idx_row = IDX + b * stride_ib + t * stride_is
+        ds_rows = DS + b * stride_dsb + t_local * stride_dss + heads[:, None] * stride_dsh
+
+        acc = tl.zeros([BLOCK_H, SLAB], tl.float32)
+        if D2 > 0:
+            offs_d2 = D1 + tl.arange(0, D2)
+            acc2 = tl.zeros([BLOCK_H, D2], tl.float32)
+        for start in range(0, num_idx, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            in_row = offs_n < num_idx
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=in_row, other=-1)
+            valid = kid >= 0
+            k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
+            kc = tl.load(k_rows + offs_c[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+            ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & in_row[None, :], other=0.0)
+            acc = tl.dot(ds, kc, acc, input_precision=DOT_PREC)
+            if D2 > 0:
+                k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=(valid & last_n)[:, None], other=0.0)
+                acc2 = tl.dot(ds, k2, acc2, input_precision=DOT_PREC)
+
+        dq_rows = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
+        tl.store(dq_rows + offs_c[None, :] * stride_dqd, acc.to(DQ.dtype.element_ty), mask=hmask[:, None])
+        if D2 > 0:
+            tl.store(dq_rows + offs_d2[None, :] * stride_dqd, acc2.to(DQ.dtype.element_ty), mask=(hmask & last_h)[:, None])
+
+    @triton.jit
     def _scratch_reduce_kernel(
         SCR, PERM, SEG_START, SEG_KEY, ACC,
         stride_sp, stride_sh, stride_ab, stride_at, stride_ah,
@@ -268,6 +439,8 @@ if triton is not None:
 
 # Bytes of fp32 scratch one deterministic backward chunk may use.
 SCRATCH_BYTES = 1 << 30
+# Bytes of the dS buffer [B, chunk, Hq, K] of the split (wide-row) backward.
+DS_BYTES = 1 << 30
 
 # Launch configs, keyed by kernel; tests and the tuning script override entries (BLOCK_N etc.).
 _CONFIG_OVERRIDES: dict = {}
@@ -326,8 +499,13 @@ def _config(kind: str, group: int, dqk: int, dv: int, num_idx: int) -> dict:
     wide = dqk + dv > 512  # MLA absorbed rows (576 + 512): big tiles, shared-memory bound
     if kind == "fwd":
         cfg = dict(BLOCK_H=block_h, BLOCK_N=64 if not wide else 32, num_warps=8 if block_h >= 64 else 4, num_stages=2)
-    else:
-        cfg = dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8 if block_h >= 64 else 4, num_stages=1 if wide else 2)
+    elif kind == "bwd":
+        # Wide rows split the backward in two kernels (dS + dK/dV, then dQ): the fused kernel's
+        # [64, 576] fp32 dQ accumulator does not fit beside the rest.
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=16 if wide else 32, num_warps=8 if block_h >= 64 else 4, num_stages=2)
+        cfg["split"] = wide  # BLOCK_N 16 keeps the split dK/dV kernel under 227 KB of shared memory
+    else:  # "bwd_dq": dQ of the split backward, SLAB columns of the key dims per program
+        cfg = dict(SLAB=256, BLOCK_N=64, num_warps=8, num_stages=3)
     cfg.update(_CONFIG_OVERRIDES.get(kind, {}))
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, _next_pow2(num_idx)))
     return cfg
@@ -375,58 +553,81 @@ def _sparse_attention_bwd(q, k, v, indices, o, lse, do, dlse, scale: float, merg
     ncol = Dqk if merge_dv else Dqk + Dv
     dq = torch.empty(B, S, Hq, Dqk, dtype=q.dtype, device=q.device)
     acc = torch.zeros(B, T, Hkv, ncol, dtype=torch.float32, device=q.device)
+    if S == 0:
+        return dq, acc[..., :Dqk].to(k.dtype), None if merge_dv else acc[..., Dqk:].to(v.dtype)
     has_dlse = dlse is not None
     dlse_t = dlse if has_dlse else lse  # any fp32 [B, S, Hq] tensor; unread without HAS_DLSE
+    common = dict(
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, MERGE_DV=merge_dv, HAS_DLSE=has_dlse,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    grid_heads = B * Hkv * nhb
 
-    def launch(t0: int, count: int, target: torch.Tensor, strides: tuple, scratch: bool):
-        _sparse_attn_bwd_kernel[(count, B * Hkv * nhb)](
-            q, k, v, indices, o, do, lse, dlse_t, dq, target,
-            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *do.stride(),
-            *lse.stride(), *dlse_t.stride(), *dq.stride(), *strides,
-            t0, count, K, Hkv, group, nhb, scale, scale * _LOG2E,
-            D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, MERGE_DV=merge_dv, HAS_DLSE=has_dlse, SCRATCH=scratch,
-            BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-
-    if S == 0:
-        pass
-    elif not deterministic:
-        launch(0, S, acc, (acc.stride(0), acc.stride(1), acc.stride(2)), scratch=False)
+    # Queries go in chunks when a per-chunk buffer is needed: dS (split kernels) or scratch.
+    chunk = S
+    if cfg["split"]:
+        chunk = min(chunk, DS_BYTES // (B * Hq * K * q.element_size()))
+    if deterministic:
+        chunk = min(chunk, SCRATCH_BYTES // (B * K * Hkv * nhb * ncol * 4))
+    chunk = max(1, chunk)
+    ds_buf = torch.empty(B, chunk, Hq, K, dtype=q.dtype, device=q.device) if cfg["split"] else None
+    if deterministic:
+        target = torch.empty(B * chunk * K, Hkv * nhb, ncol, dtype=torch.float32, device=q.device)
+        tstrides = (0, target.stride(0), target.stride(1))
     else:
-        _deterministic_dkv(indices, acc, launch, nhb, ncol)
+        target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
+
+    for t0 in range(0, S, chunk):
+        count = min(chunk, S - t0)
+        args = (
+            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *do.stride(),
+            *lse.stride(), *dlse_t.stride(),
+        )  # fmt: skip
+        if cfg["split"]:
+            _sparse_attn_bwd_dkv_kernel[(count, grid_heads)](
+                q, k, v, indices, o, do, lse, dlse_t, ds_buf, target, *args,
+                ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
+                t0, count, K, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+            )  # fmt: skip
+            qcfg = _config("bwd_dq", group, Dqk, Dv, K)
+            slab = min(d1, qcfg["SLAB"])
+            _sparse_attn_bwd_dq_kernel[(count, grid_heads, d1 // slab)](
+                ds_buf, k, indices, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
+                *k.stride(), *indices.stride(), *dq.stride(), t0, K, Hkv, group, nhb,
+                D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
+                DOT_PREC=_dot_precision(q.dtype), num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],
+            )  # fmt: skip
+        else:
+            _sparse_attn_bwd_kernel[(count, grid_heads)](
+                q, k, v, indices, o, do, lse, dlse_t, dq, target, *args, *dq.stride(), *tstrides,
+                t0, count, K, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+            )  # fmt: skip
+        if deterministic:
+            _reduce_scratch(indices[:, t0 : t0 + count], target, acc, nhb, ncol)
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
     return dq, dk, dv
 
 
-def _deterministic_dkv(indices, acc, launch, nhb: int, ncol: int) -> None:
-    """Query chunk by query chunk: contributions to scratch, then an ordered per-key sum into acc."""
-    B, S, K = indices.shape
-    T, Hkv = acc.shape[1], acc.shape[2]
-    row_bytes = Hkv * nhb * ncol * 4
-    chunk = max(1, min(S, SCRATCH_BYTES // max(1, B * K * row_bytes)))
-    scratch = torch.empty(B * chunk * K, Hkv * nhb, ncol, dtype=torch.float32, device=acc.device)
+def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:
+    """acc[b, key] += the chunk's scratch rows of that key, summed in query order (no atomics)."""
+    B, T, Hkv = acc.shape[0], acc.shape[1], acc.shape[2]
     batch_key = torch.arange(B, device=acc.device, dtype=torch.int64)[:, None, None] * T
+    keys = torch.where(idx >= 0, idx.to(torch.int64) + batch_key, B * T).flatten()
+    sorted_keys, perm = torch.sort(keys, stable=True)  # stable: a key's pairs stay in query order
+    n_valid = int((idx >= 0).sum())
+    if n_valid == 0:
+        return
+    seg_key, counts = torch.unique_consecutive(sorted_keys[:n_valid], return_counts=True)
+    seg_start = torch.zeros(seg_key.numel() + 1, dtype=torch.int64, device=acc.device)
+    torch.cumsum(counts, 0, out=seg_start[1:])
     block_c = 64
-    for t0 in range(0, S, chunk):
-        count = min(chunk, S - t0)
-        launch(t0, count, scratch, (0, scratch.stride(0), scratch.stride(1)), scratch=True)
-        idx = indices[:, t0 : t0 + count]
-        keys = torch.where(idx >= 0, idx.to(torch.int64) + batch_key, B * T).flatten()
-        sorted_keys, perm = torch.sort(keys, stable=True)
-        n_valid = int((idx >= 0).sum())
-        if n_valid == 0:
-            continue
-        seg_key, counts = torch.unique_consecutive(sorted_keys[:n_valid], return_counts=True)
-        seg_start = torch.zeros(seg_key.numel() + 1, dtype=torch.int64, device=acc.device)
-        torch.cumsum(counts, 0, out=seg_start[1:])
-        grid = (seg_key.numel(), Hkv, triton.cdiv(ncol, block_c))
-        _scratch_reduce_kernel[grid](
-            scratch, perm, seg_start, seg_key, acc,
-            scratch.stride(0), scratch.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-            T, nhb, ncol, BLOCK_C=block_c,
-        )  # fmt: skip
+    _scratch_reduce_kernel[(seg_key.numel(), Hkv, triton.cdiv(ncol, block_c))](
+        scratch, perm, seg_start, seg_key, acc,
+        scratch.stride(0), scratch.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        T, nhb, ncol, BLOCK_C=block_c,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- autograd wrapper
