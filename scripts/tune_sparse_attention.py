@@ -29,8 +29,8 @@ sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
 MLA_FWD = [(32, 8, 2), (32, 8, 3), (64, 8, 2)]
 MLA_BWD = [(16, 8, 2), (16, 4, 2), (16, 8, 3)]
 MLA_DQ = [(256, 64, 8, 3), (256, 32, 8, 3), (128, 64, 4, 3)]
-GQA_FWD = [(32, 4, 2), (64, 4, 2), (128, 8, 2)]
-GQA_BWD = [(16, 4, 3), (32, 4, 2), (64, 4, 2)]
+GQA_FWD = [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
+GQA_BWD = [(64, 64, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2)]
 
 
 def shapes(name, T):
@@ -50,13 +50,17 @@ def sweep(name, kind, configs, T, idx, budget_ms):
     do = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
     rows = []
     for cfg in configs:
-        *slab, bn, warps, stages = cfg
+        *first, bn, warps, stages = cfg
         sa._CONFIG_OVERRIDES.clear()
         over = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        if slab:
-            over["SLAB"] = slab[0]
-        sa._CONFIG_OVERRIDES["bwd_dq" if kind == "dq" else kind] = over
-        row = dict(shape=name, kind=kind, **over)
+        key = "bwd_dq" if kind == "dq" else kind
+        if first and name == "mla":
+            over["SLAB"] = first[0]
+        elif first:  # GQA runs the tiled kernels; first = tile rows
+            sa._CONFIG_OVERRIDES["tile"] = dict(rows=first[0])
+            key += "_tiled"
+        sa._CONFIG_OVERRIDES[key] = over
+        row = dict(shape=name, kind=kind, tile_rows=first[0] if first and name != "mla" else None, **over)
         t0 = time.time()
         try:
             if kind == "fwd":  # "bwd" and "dq" both time the whole backward
@@ -88,8 +92,16 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-ms", type=float, default=1500.0)
     ap.add_argument("--only", default="mla_fwd,mla_bwd,mla_dq,gqa_fwd,gqa_bwd")
+    ap.add_argument("--far-share", type=int, default=1)
     args = ap.parse_args()
-    idx = realistic_selection(args.T, args.K)
+    idx = realistic_selection(args.T, args.K, far_share=args.far_share)
+    for rows in (64, 128):  # the host-side union build (sort) that the tiled GQA forward includes
+        sa._CONFIG_OVERRIDES["tile"] = dict(rows=rows)
+        ms = timed(lambda rows=rows: sa._key_lists(idx, args.T, 4, wide=False), budget_ms=args.budget_ms)
+        lists = sa._key_lists(idx, args.T, 4, wide=False)
+        print(json.dumps(dict(union_build_rows=rows, ms=ms, max_union=lists.idx.shape[2],
+                              mean_union=float(lists.num.float().mean()))), flush=True)
+    sa._CONFIG_OVERRIDES.clear()
     table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
     results = []
     for part in args.only.split(","):

@@ -25,6 +25,8 @@ dV is added into the same accumulator rows as dK (one buffer, half the atomics o
 whole gradient is returned for ``k``; autograd's view machinery then routes it to the shared storage.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from . import reference
@@ -43,47 +45,88 @@ _LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
+    def _program_rows(
+        NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits,
+        TILED: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """The (query, head) rows of one program and the length of its key list.
+
+        Per token (TILED False): program pid0 is query token pid0; rows are BLOCK_H heads of KV head g
+        (head block hb). Tiled: program pid0 is a tile of tile_q consecutive queries; rows are
+        (query m, head h) pairs, row = m * group + h, all over one key list (the tile's union).
+        """
+        rows = tl.arange(0, BLOCK_H)
+        if TILED:
+            row_m = rows // group
+            row_t = pid0 * tile_q + row_m
+            row_h = (g * group + rows % group).to(tl.int64)
+            rmask = (rows < tile_q * group) & (row_t < num_queries)
+            count = tl.load(NUM + b * num_tiles + pid0)
+            bits_rows = BITS + ((b * num_tiles + pid0) * tile_q + row_m) * stride_bits
+        else:
+            offs_hg = hb * BLOCK_H + rows
+            row_t = pid0 + tl.zeros([BLOCK_H], tl.int64)
+            row_h = (g * group + offs_hg).to(tl.int64)
+            rmask = offs_hg < group
+            count = num_idx
+            bits_rows = BITS
+        return row_t, row_h, rmask, count, bits_rows
+
+    @triton.jit
+    def _member(live, bits_rows, rmask, start, TILED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Tiled: keep (row, key) only where the row's query selected that union key (bit set).
+
+        Union slots [start, start + BLOCK_N) are BLOCK_N // 32 whole words of each row's bitmask
+        (start is a multiple of BLOCK_N, itself a multiple of 32): load the words, expand the bits.
+        """
+        if TILED:
+            W: tl.constexpr = BLOCK_N // 32
+            words = tl.load(bits_rows[:, None] + (start // 32 + tl.arange(0, W))[None, :], mask=rmask[:, None], other=0)
+            bit = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+            live = live & (tl.reshape(bit, [BLOCK_H, BLOCK_N]) != 0)
+        return live
+
+    @triton.jit
     def _sparse_attn_fwd_kernel(
-        Q, K, V, IDX, OUT, LSE,
+        Q, K, V, IDX, NUM, BITS, OUT, LSE,
         stride_qb, stride_qs, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
-        stride_ib, stride_is, stride_ik,
+        stride_ib, stride_is, stride_ik, stride_bits,
         stride_ob, stride_os, stride_oh, stride_od,
         stride_lb, stride_ls, stride_lh,
-        num_idx, num_kv_heads, group, num_head_blocks,
+        num_queries, num_idx, num_kv_heads, group, num_head_blocks, num_tiles, tile_q,
         qk_scale,
         D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+        TILED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
-        """o and lse of one query token for BLOCK_H heads of one KV head; grid (S, B * Hkv * NHB)."""
-        t = tl.program_id(0).to(tl.int64)
+        """o and lse of one program's rows (see _program_rows); grid (S or tiles, B * Hkv * NHB)."""
+        pid0 = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
         hb = pid % num_head_blocks
         g = (pid // num_head_blocks) % num_kv_heads
         b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
-
-        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # head index inside the KV group
-        hmask = offs_hg < group
-        heads = (g * group + offs_hg).to(tl.int64)
+        row_t, row_h, rmask, count, bits_rows = _program_rows(
+            NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits, TILED, BLOCK_H
+        )
         offs_d1 = tl.arange(0, D1)
         offs_v = tl.arange(0, DV)
 
-        q_rows = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
-        q1 = tl.load(q_rows + offs_d1[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
+        q1 = tl.load(q_rows[:, None] + offs_d1[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+            q2 = tl.load(q_rows[:, None] + offs_d2[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh
-        idx_row = IDX + b * stride_ib + t * stride_is
+        idx_row = IDX + b * stride_ib + pid0 * stride_is
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, in log2 units
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, DV], tl.float32)
-        for start in range(0, num_idx, BLOCK_N):
+        for start in range(0, count, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < num_idx, other=-1)
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < count, other=-1)
             valid = kid >= 0
             k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
             k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
@@ -91,7 +134,8 @@ if triton is not None:
             if D2 > 0:
                 k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=valid[:, None], other=0.0)
                 s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            live = _member(valid[None, :] & rmask[:, None], bits_rows, rmask, start, TILED, BLOCK_H, BLOCK_N)
+            s = tl.where(live, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep p = 0
             alpha = tl.exp2(m_i - m_ref)
@@ -109,71 +153,71 @@ if triton is not None:
         l_safe = tl.where(has_key, l_i, 1.0)
         out = acc / l_safe[:, None]
         lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        o_rows = OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
-        tl.store(o_rows + offs_v[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=hmask[:, None])
-        tl.store(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, lse, mask=hmask)
+        o_rows = OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh
+        tl.store(o_rows[:, None] + offs_v[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+        tl.store(LSE + b * stride_lb + row_t * stride_ls + row_h * stride_lh, lse, mask=rmask)
 
     @triton.jit
     def _sparse_attn_bwd_kernel(
-        Q, K, V, IDX, OUT, DO, LSE, DLSE, DQ, DKV,
+        Q, K, V, IDX, NUM, BITS, OUT, DO, LSE, DLSE, DQ, DKV,
         stride_qb, stride_qs, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
-        stride_ib, stride_is, stride_ik,
+        stride_ib, stride_is, stride_ik, stride_bits,
         stride_ob, stride_os, stride_oh, stride_od,
         stride_dob, stride_dos, stride_doh, stride_dod,
         stride_lb, stride_ls, stride_lh,
         stride_dlb, stride_dls, stride_dlh,
         stride_dqb, stride_dqs, stride_dqh, stride_dqd,
         stride_ab, stride_at, stride_ah,
-        t_offset, chunk_len, num_idx, num_kv_heads, group, num_head_blocks,
+        t_offset, chunk_len, num_queries, num_idx, num_kv_heads, group, num_head_blocks, num_tiles, tile_q,
         sm_scale, qk_scale,
         D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
-        MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
+        MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr, TILED: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
-        """dQ of one query token (BLOCK_H heads of one KV head) and its pairs' dK/dV contributions.
+        """dQ of one program's rows and the dK/dV contributions of its (rows, key list) pairs.
 
-        Grid (chunk_len, B * Hkv * NHB); the token is ``t_offset + program_id(0)``. The contribution
-        of pair (token, slot j) goes to DKV row ``(b, key)`` by fp32 atomics, or with ``SCRATCH`` to
-        scratch row ``(b * chunk_len + token - t_offset) * num_idx + j`` (head slot g * NHB + hb).
+        Grid (chunk_len, B * Hkv * NHB); the program is token (or tile) ``t_offset + program_id(0)``.
+        A key-list slot j's contribution (summed over the program's rows) goes to DKV row
+        ``(b, key)`` by fp32 atomics, or with ``SCRATCH`` to scratch row
+        ``(b * chunk_len + program_id(0)) * num_idx + j`` (head slot g * NHB + hb).
         Columns: ``[0, D1 + D2)`` dK, then ``[D1 + D2, D1 + D2 + DV)`` dV unless ``MERGE_DV`` adds
         dV into the first DV (= D1) columns.
         """
         t_local = tl.program_id(0).to(tl.int64)
-        t = t_offset + t_local
+        pid0 = t_offset + t_local
         pid = tl.program_id(1)
         hb = pid % num_head_blocks
         g = (pid // num_head_blocks) % num_kv_heads
         b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
-
-        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = offs_hg < group
-        heads = (g * group + offs_hg).to(tl.int64)
+        row_t, row_h, rmask, count, bits_rows = _program_rows(
+            NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits, TILED, BLOCK_H
+        )
         offs_d1 = tl.arange(0, D1)
         offs_v = tl.arange(0, DV)
 
-        q_rows = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
-        q1 = tl.load(q_rows + offs_d1[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
+        q1 = tl.load(q_rows[:, None] + offs_d1[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
-        do_rows = DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh
-        do = tl.load(do_rows + offs_v[None, :] * stride_dod, mask=hmask[:, None], other=0.0)
-        o_rows = OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
-        o = tl.load(o_rows + offs_v[None, :] * stride_od, mask=hmask[:, None], other=0.0)
+            q2 = tl.load(q_rows[:, None] + offs_d2[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
+        do_rows = DO + b * stride_dob + row_t * stride_dos + row_h * stride_doh
+        do = tl.load(do_rows[:, None] + offs_v[None, :] * stride_dod, mask=rmask[:, None], other=0.0)
+        o_rows = OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh
+        o = tl.load(o_rows[:, None] + offs_v[None, :] * stride_od, mask=rmask[:, None], other=0.0)
         # delta = rowsum(dO * O) - dlse: d(loss)/d(logit_j) = p_j * (dp_j - delta)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         if HAS_DLSE:
-            dlse = tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
+            dlse = tl.load(DLSE + b * stride_dlb + row_t * stride_dls + row_h * stride_dlh, mask=rmask, other=0.0)
             delta = delta - dlse
-        lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, mask=hmask, other=0.0)
+        lse = tl.load(LSE + b * stride_lb + row_t * stride_ls + row_h * stride_lh, mask=rmask, other=0.0)
         # A query with no key has lse = -inf and p = 0 everywhere; keep exp2's argument finite.
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
 
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh
-        idx_row = IDX + b * stride_ib + t * stride_is
+        idx_row = IDX + b * stride_ib + pid0 * stride_is
         if SCRATCH:
             pair_base = DKV + (g * num_head_blocks + hb) * stride_ah
             pair0 = (b * chunk_len + t_local) * num_idx
@@ -183,9 +227,9 @@ if triton is not None:
         dq1 = tl.zeros([BLOCK_H, D1], tl.float32)
         if D2 > 0:
             dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
-        for start in range(0, num_idx, BLOCK_N):
+        for start in range(0, count, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < num_idx, other=-1)
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < count, other=-1)
             valid = kid >= 0
             k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
             k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
@@ -198,7 +242,7 @@ if triton is not None:
             else:
                 v_rows = v_base + kid.to(tl.int64)[:, None] * stride_vt
                 vt = tl.load(v_rows + offs_v[None, :] * stride_vd, mask=valid[:, None], other=0.0)
-            live = valid[None, :] & hmask[:, None]
+            live = _member(valid[None, :] & rmask[:, None], bits_rows, rmask, start, TILED, BLOCK_H, BLOCK_N)
             p = tl.where(live, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
@@ -209,31 +253,33 @@ if triton is not None:
             if MERGE_DV:
                 dk1 += dv
             if SCRATCH:
-                rows = pair_base + (pair0 + offs_n)[:, None] * stride_at
+                dst = pair_base + (pair0 + offs_n)[:, None] * stride_at
             else:
-                rows = key_base + kid.to(tl.int64)[:, None] * stride_at
+                dst = key_base + kid.to(tl.int64)[:, None] * stride_at
             wmask = valid[:, None]
             if SCRATCH:
-                tl.store(rows + offs_d1[None, :], dk1, mask=wmask)
+                tl.store(dst + offs_d1[None, :], dk1, mask=wmask)
             else:
-                tl.atomic_add(rows + offs_d1[None, :], dk1, mask=wmask, sem="relaxed")
+                tl.atomic_add(dst + offs_d1[None, :], dk1, mask=wmask, sem="relaxed")
             if D2 > 0:
                 dq2 = tl.dot(ds_lp, k2, dq2, input_precision=DOT_PREC)
                 dk2 = tl.dot(tl.trans(ds_lp), q2, input_precision=DOT_PREC) * sm_scale
                 if SCRATCH:
-                    tl.store(rows + offs_d2[None, :], dk2, mask=wmask)
+                    tl.store(dst + offs_d2[None, :], dk2, mask=wmask)
                 else:
-                    tl.atomic_add(rows + offs_d2[None, :], dk2, mask=wmask, sem="relaxed")
+                    tl.atomic_add(dst + offs_d2[None, :], dk2, mask=wmask, sem="relaxed")
             if not MERGE_DV:
                 if SCRATCH:
-                    tl.store(rows + (D1 + D2 + offs_v)[None, :], dv, mask=wmask)
+                    tl.store(dst + (D1 + D2 + offs_v)[None, :], dv, mask=wmask)
                 else:
-                    tl.atomic_add(rows + (D1 + D2 + offs_v)[None, :], dv, mask=wmask, sem="relaxed")
+                    tl.atomic_add(dst + (D1 + D2 + offs_v)[None, :], dv, mask=wmask, sem="relaxed")
 
-        dq_rows = DQ + b * stride_dqb + t * stride_dqs + heads[:, None] * stride_dqh
-        tl.store(dq_rows + offs_d1[None, :] * stride_dqd, (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
+        dq_rows = DQ + b * stride_dqb + row_t * stride_dqs + row_h * stride_dqh
+        out1 = (dq1 * sm_scale).to(DQ.dtype.element_ty)
+        tl.store(dq_rows[:, None] + offs_d1[None, :] * stride_dqd, out1, mask=rmask[:, None])
         if D2 > 0:
-            tl.store(dq_rows + offs_d2[None, :] * stride_dqd, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=hmask[:, None])
+            out2 = (dq2 * sm_scale).to(DQ.dtype.element_ty)
+            tl.store(dq_rows[:, None] + offs_d2[None, :] * stride_dqd, out2, mask=rmask[:, None])
 
     @triton.jit
     def _sparse_attn_bwd_dkv_kernel(
@@ -489,25 +535,39 @@ def triton_unsupported_reason(q, k, v) -> str | None:
     return None
 
 
+def _is_wide(dqk: int, dv: int) -> bool:
+    """MLA-absorbed-like rows (576 + 512): big tiles, one program per token, split backward."""
+    return dqk + dv > 512
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
 def _config(kind: str, group: int, dqk: int, dv: int, num_idx: int) -> dict:
-    """Block sizes and launch options; ``kind`` is "fwd" or "bwd"."""
+    """Block sizes and launch options of one kernel (``kind``), before ``_CONFIG_OVERRIDES``."""
     block_h = min(64, max(16, _next_pow2(group)))
-    wide = dqk + dv > 512  # MLA absorbed rows (576 + 512): big tiles, shared-memory bound
+    wide = _is_wide(dqk, dv)
+    # Measured on one H200 (scripts/tune_sparse_attention.py, T = 16K, K = 2048, bf16).
     if kind == "fwd":
-        cfg = dict(BLOCK_H=block_h, BLOCK_N=64 if not wide else 32, num_warps=8 if block_h >= 64 else 4, num_stages=2)
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=8 if block_h >= 64 else 4, num_stages=2)
     elif kind == "bwd":
         # Wide rows split the backward in two kernels (dS + dK/dV, then dQ): the fused kernel's
-        # [64, 576] fp32 dQ accumulator does not fit beside the rest.
-        cfg = dict(BLOCK_H=block_h, BLOCK_N=16 if wide else 32, num_warps=8 if block_h >= 64 else 4, num_stages=2)
-        cfg["split"] = wide  # BLOCK_N 16 keeps the split dK/dV kernel under 227 KB of shared memory
-    else:  # "bwd_dq": dQ of the split backward, SLAB columns of the key dims per program
+        # [64, 576] fp32 dQ accumulator does not fit beside the rest. BLOCK_N 16 keeps the split
+        # dK/dV kernel under sm_90's 227 KB of shared memory; 4 warps beat 8 there (78 vs 108 ms).
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=16 if wide else 32, num_warps=4 if wide or block_h < 64 else 8, num_stages=2)
+        cfg["split"] = wide
+    elif kind == "bwd_dq":  # dQ of the split backward, SLAB columns of the key dims per program
         cfg = dict(SLAB=256, BLOCK_N=64, num_warps=8, num_stages=3)
+    elif kind == "fwd_tiled":  # BLOCK_H rows = (query, head) pairs of a query tile
+        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
+    else:  # "bwd_tiled"
+        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
     cfg.update(_CONFIG_OVERRIDES.get(kind, {}))
-    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, _next_pow2(num_idx)))
+    if kind.endswith("tiled"):
+        cfg["BLOCK_H"] = _tile_rows()
+    # Tiled kernels read membership bits a 32-bit word at a time: BLOCK_N in {32, 64, 128}.
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(32 if kind.endswith("tiled") else 16, _next_pow2(num_idx)))
     return cfg
 
 
@@ -516,43 +576,122 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+class _KeyLists(NamedTuple):
+    """What one program iterates: a token's own index row, or a query tile's union of keys.
+
+    ``idx`` [B, P, L] int32 (-1 = skip) holds one key list per program (P = S tokens or S / tile_q
+    tiles). Tiled lists also carry ``num`` [B, P] (list lengths) and ``bits`` [B * P * tile_q, W]
+    (bit u of a query's row: the query selected union key u); per-token lists pass ``idx`` there.
+    """
+
+    idx: torch.Tensor
+    num: torch.Tensor
+    bits: torch.Tensor
+    tile_q: int  # queries per tile; 0 = one program per token
+
+
+def _union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int):
+    """Query tiles of ``tile_q`` consecutive queries: sorted union of their keys + membership bits.
+
+    Neighbouring queries share most of their selection (local window, sinks, popular far keys), so
+    a tile reads each shared key row once and runs one tensor-core product for all its queries'
+    heads, and its dK/dV contribution per key is summed in registers before the one atomic add.
+    Returns None when a query lists one key twice (a bit cannot count it; the per-token path can).
+    """
+    B, S, K = indices.shape
+    n_tiles = triton.cdiv(S, tile_q)
+    idx = indices
+    if n_tiles * tile_q != S:
+        idx = torch.nn.functional.pad(indices, (0, 0, 0, n_tiles * tile_q - S), value=-1)
+    vals = idx.reshape(B * n_tiles, tile_q * K)
+    vals = torch.where(vals >= 0, vals, num_keys)  # -1 sorts last
+    srt, order = torch.sort(vals, dim=1, stable=True)  # stable: equal keys stay in query order
+    valid = srt < num_keys
+    new = torch.ones_like(valid)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    same_query = (order[:, 1:] // K) == (order[:, :-1] // K)
+    if bool((valid[:, 1:] & ~new[:, 1:] & same_query).any()):
+        return None
+    first = new & valid
+    slot = torch.cumsum(first, dim=1, dtype=torch.int32) - 1  # union slot of each sorted entry
+    num = first.sum(dim=1, dtype=torch.int32)
+    max_u = max(1, int(num.max()))
+    rows = torch.arange(B * n_tiles, device=idx.device)[:, None].expand_as(first)
+    union = torch.full((B * n_tiles, max_u), -1, dtype=torch.int32, device=idx.device)
+    union[rows[first], slot[first].long()] = srt[first]
+    words = 4 * triton.cdiv(max_u, 128)  # whole 128-slot groups: a BLOCK_N <= 128 block never reads past a row
+    bit_row = rows * tile_q + order // K  # the query (row of bits) each sorted entry belongs to
+    flat = (bit_row * words + (slot // 32))[valid]
+    bits = torch.zeros(B * n_tiles * tile_q * words, dtype=torch.int32, device=idx.device)
+    bits.scatter_add_(0, flat, torch.bitwise_left_shift(torch.ones_like(slot), slot % 32)[valid])  # distinct bits: + is |
+    return _KeyLists(union.view(B, n_tiles, max_u), num.view(B, n_tiles), bits.view(-1, words), tile_q)
+
+
+def _tile_rows() -> int:
+    """Rows (query, head pairs) of a query tile: the matmul M side of the tiled kernels; 0 = off."""
+    return _CONFIG_OVERRIDES.get("tile", {}).get("rows", 64)
+
+
+def _key_lists(indices: torch.Tensor, num_keys: int, group: int, wide: bool) -> _KeyLists:
+    """Query tiles (union key lists) where a tile holds >= 2 queries, else per-token index rows."""
+    rows = _tile_rows()
+    tile_q = rows // group if rows and not wide else 0
+    if tile_q >= 2:
+        lists = _union_tiles(indices, tile_q, num_keys)
+        if lists is not None:
+            return lists
+    return _KeyLists(indices, indices, indices, 0)
+
+
 def _sparse_attention_fwd(q, k, v, indices, scale: float):
+    """Returns o, lse and the key lists (saved for the backward)."""
     B, S, Hq, Dqk = q.shape
-    Hkv, Dv = k.shape[2], v.shape[3]
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = Hq // Hkv
     d1, d2 = _split_key_dim(Dqk)
     v_from_k = _v_is_k_prefix(k, v) and Dv == d1
-    cfg = _config("fwd", group, Dqk, Dv, indices.shape[2])
-    nhb = triton.cdiv(group, cfg["BLOCK_H"])
     o = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    lists = _key_lists(indices, T, group, _is_wide(Dqk, Dv))
     if S == 0:
-        return o, lse
-    grid = (S, B * Hkv * nhb)
-    _sparse_attn_fwd_kernel[grid](
-        q, k, v, indices, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *lse.stride(),
-        indices.shape[2], Hkv, group, nhb, scale * _LOG2E,
-        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        return o, lse, lists
+    L = lists.idx.shape[2]
+    if lists.tile_q:
+        cfg = _config("fwd_tiled", group, Dqk, Dv, L)
+        nhb, programs = 1, lists.idx.shape[1]
+    else:
+        cfg = _config("fwd", group, Dqk, Dv, L)
+        nhb, programs = triton.cdiv(group, cfg["BLOCK_H"]), S
+    _sparse_attn_fwd_kernel[(programs, B * Hkv * nhb)](
+        q, k, v, lists.idx, lists.num, lists.bits, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *lists.idx.stride(), lists.bits.stride(0) if lists.tile_q else 0,
+        *o.stride(), *lse.stride(),
+        S, L, Hkv, group, nhb, lists.idx.shape[1], max(1, lists.tile_q), scale * _LOG2E,
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, TILED=bool(lists.tile_q), BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
-    return o, lse
+    return o, lse, lists
 
 
-def _sparse_attention_bwd(q, k, v, indices, o, lse, do, dlse, scale: float, merge_dv: bool, deterministic: bool):
+def _sparse_attention_bwd(q, k, v, lists, o, lse, do, dlse, scale: float, merge_dv: bool, deterministic: bool):
     """Returns (dq, dk, dv); dv is None when ``merge_dv`` folded it into dk."""
     B, S, Hq, Dqk = q.shape
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    K = indices.shape[2]
+    idx = lists.idx
+    L = idx.shape[2]
     group = Hq // Hkv
     d1, d2 = _split_key_dim(Dqk)
     v_from_k = _v_is_k_prefix(k, v) and Dv == d1
     merge_dv = merge_dv and v_from_k
-    cfg = _config("bwd", group, Dqk, Dv, K)
-    nhb = triton.cdiv(group, cfg["BLOCK_H"])
+    tiled = bool(lists.tile_q)
+    cfg = _config("bwd_tiled" if tiled else "bwd", group, Dqk, Dv, L)
+    split = cfg.get("split", False)
+    nhb = 1 if tiled else triton.cdiv(group, cfg["BLOCK_H"])
     ncol = Dqk if merge_dv else Dqk + Dv
     dq = torch.empty(B, S, Hq, Dqk, dtype=q.dtype, device=q.device)
     acc = torch.zeros(B, T, Hkv, ncol, dtype=torch.float32, device=q.device)
+    units = idx.shape[1]  # programs along dim 0: tokens, or query tiles
     if S == 0:
         return dq, acc[..., :Dqk].to(k.dtype), None if merge_dv else acc[..., Dqk:].to(v.dtype)
     has_dlse = dlse is not None
@@ -564,47 +703,50 @@ def _sparse_attention_bwd(q, k, v, indices, o, lse, do, dlse, scale: float, merg
     )  # fmt: skip
     grid_heads = B * Hkv * nhb
 
-    # Queries go in chunks when a per-chunk buffer is needed: dS (split kernels) or scratch.
-    chunk = S
-    if cfg["split"]:
-        chunk = min(chunk, DS_BYTES // (B * Hq * K * q.element_size()))
+    # Programs go in chunks when a per-chunk buffer is needed: dS (split kernels) or scratch.
+    chunk = units
+    if split:
+        chunk = min(chunk, DS_BYTES // (B * Hq * L * q.element_size()))
     if deterministic:
-        chunk = min(chunk, SCRATCH_BYTES // (B * K * Hkv * nhb * ncol * 4))
+        chunk = min(chunk, SCRATCH_BYTES // (B * L * Hkv * nhb * ncol * 4))
     chunk = max(1, chunk)
-    ds_buf = torch.empty(B, chunk, Hq, K, dtype=q.dtype, device=q.device) if cfg["split"] else None
+    ds_buf = torch.empty(B, chunk, Hq, L, dtype=q.dtype, device=q.device) if split else None
     if deterministic:
-        target = torch.empty(B * chunk * K, Hkv * nhb, ncol, dtype=torch.float32, device=q.device)
+        target = torch.empty(B * chunk * L, Hkv * nhb, ncol, dtype=torch.float32, device=q.device)
         tstrides = (0, target.stride(0), target.stride(1))
     else:
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
 
-    for t0 in range(0, S, chunk):
-        count = min(chunk, S - t0)
-        args = (
-            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *o.stride(), *do.stride(),
-            *lse.stride(), *dlse_t.stride(),
-        )  # fmt: skip
-        if cfg["split"]:
-            _sparse_attn_bwd_dkv_kernel[(count, grid_heads)](
-                q, k, v, indices, o, do, lse, dlse_t, ds_buf, target, *args,
-                ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
-                t0, count, K, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+    for t0 in range(0, units, chunk):
+        count = min(chunk, units - t0)
+        if split:
+            args = (
+                *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(), *do.stride(),
+                *lse.stride(), *dlse_t.stride(),
             )  # fmt: skip
-            qcfg = _config("bwd_dq", group, Dqk, Dv, K)
+            _sparse_attn_bwd_dkv_kernel[(count, grid_heads)](
+                q, k, v, idx, o, do, lse, dlse_t, ds_buf, target, *args,
+                ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
+                t0, count, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+            )  # fmt: skip
+            qcfg = _config("bwd_dq", group, Dqk, Dv, L)
             slab = min(d1, qcfg["SLAB"])
             _sparse_attn_bwd_dq_kernel[(count, grid_heads, d1 // slab)](
-                ds_buf, k, indices, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
-                *k.stride(), *indices.stride(), *dq.stride(), t0, K, Hkv, group, nhb,
+                ds_buf, k, idx, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
+                *k.stride(), *idx.stride(), *dq.stride(), t0, L, Hkv, group, nhb,
                 D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
                 DOT_PREC=_dot_precision(q.dtype), num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],
             )  # fmt: skip
         else:
             _sparse_attn_bwd_kernel[(count, grid_heads)](
-                q, k, v, indices, o, do, lse, dlse_t, dq, target, *args, *dq.stride(), *tstrides,
-                t0, count, K, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+                q, k, v, idx, lists.num, lists.bits, o, do, lse, dlse_t, dq, target,
+                *q.stride(), *k.stride(), *v.stride(), *idx.stride(), lists.bits.stride(0) if tiled else 0,
+                *o.stride(), *do.stride(), *lse.stride(), *dlse_t.stride(), *dq.stride(), *tstrides,
+                t0, count, S, L, Hkv, group, nhb, units, max(1, lists.tile_q), scale, scale * _LOG2E,
+                SCRATCH=deterministic, TILED=tiled, **common,
             )  # fmt: skip
         if deterministic:
-            _reduce_scratch(indices[:, t0 : t0 + count], target, acc, nhb, ncol)
+            _reduce_scratch(idx[:, t0 : t0 + count], target, acc, nhb, ncol)
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
     return dq, dk, dv
@@ -636,19 +778,20 @@ def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:
 class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic):
-        o, lse = _sparse_attention_fwd(q, k, v, indices, scale)
-        ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale, ctx.merge_dv, ctx.deterministic = scale, merge_dv, deterministic
+        o, lse, lists = _sparse_attention_fwd(q, k, v, indices, scale)
+        ctx.save_for_backward(q, k, v, lists.idx, lists.num, lists.bits, o, lse)
+        ctx.tile_q, ctx.scale, ctx.merge_dv, ctx.deterministic = lists.tile_q, scale, merge_dv, deterministic
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, indices, o, lse = ctx.saved_tensors
+        q, k, v, idx, num, bits, o, lse = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
+        lists = _KeyLists(idx, num, bits, ctx.tile_q)
         dq, dk, dv = _sparse_attention_bwd(
-            q, k, v, indices, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic
+            q, k, v, lists, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic
         )
         return dq, dk, dv, None, None, None, None
 

@@ -6,24 +6,30 @@ The fp32 reference runs a query chunk at a time (its gathers are [chunk, K, Hkv,
 accumulates the key gradients across chunks through autograd.
 """
 
+import importlib
+
 import pytest
 import torch
 
 from hyscale_hf import sparse_attention
 from hyscale_hf.kernels.reference import sparse_attention_reference
 
+sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
 pytestmark = pytest.mark.gpu
 
 K_SEL = 2048
 
 
 def selection(T, K=K_SEL, sinks=4, window=1024, seed=0):
+    """Distinct keys per query: sinks, one random far key in each of K - sinks - window strata, window."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     t = torch.arange(T, device="cuda")[:, None]
     j = torch.arange(K, device="cuda")
     far_n = K - sinks - window
-    far_hi = (t - window + 1).clamp_min(sinks + 1)
-    far = sinks + (torch.rand(T, far_n, generator=gen, device="cuda") * (far_hi - sinks)).long()
+    i = torch.arange(far_n, device="cuda")
+    span = (t - window + 1 - sinks).clamp_min(far_n)
+    lo, hi = sinks + i * span // far_n, sinks + (i + 1) * span // far_n
+    far = lo + (torch.rand(T, far_n, generator=gen, device="cuda") * (hi - lo)).long()
     sel = torch.cat([j[:sinks].expand(T, sinks), far, t - window + 1 + j[:window]], dim=1)
     idx = torch.where(t < K, torch.where(j <= t, j, -1), sel).to(torch.int32)
     idx[5] = -1  # a query with no key: o = 0, lse = -inf, no gradient
@@ -101,6 +107,12 @@ def test_mla_absorbed_matches_fp32_reference(T, H):
 @pytest.mark.parametrize("T,Hq,Hkv,D", GQA_CASES)
 def test_gqa_matches_fp32_reference(T, Hq, Hkv, D):
     check_against_reference(T, Hq, Hkv, D, D, mla=False, chunk=128)
+
+
+def test_gqa_per_token_path_matches_fp32_reference(monkeypatch):
+    # GQA normally runs query tiles (union key lists); tile rows = 0 forces one program per token.
+    monkeypatch.setattr(sa, "_CONFIG_OVERRIDES", {"tile": {"rows": 0}})
+    check_against_reference(4096, 32, 8, 128, 128, mla=False, chunk=128)
 
 
 @pytest.mark.parametrize("mla", [True, False], ids=["mla", "gqa"])

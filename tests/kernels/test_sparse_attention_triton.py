@@ -155,3 +155,31 @@ def test_triton_backend_rejects_unsupported_dims():
         sparse_attention(q, k, v, idx, backend="triton")
     o = sparse_attention(q, k, v, idx, backend="auto")  # auto falls back to the reference
     torch.testing.assert_close(o, reference_fn(q, k, v, idx)[0])
+
+
+def distinct_indices(B, S, T, K, seed=0):
+    """Rows of K distinct keys (a few replaced by -1), as HyTopK returns them (here unsorted)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+    idx = idx.masked_fill(torch.rand(B, S, K, generator=g) < 0.2, -1).to(torch.int32)
+    idx[-1, 2] = -1  # a query with no key
+    return idx.to(DEVICE)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("Hq,Hkv,rows", [(8, 2, 64), (6, 2, 64), (8, 2, 16)], ids=["G4", "G3", "G4-small-tiles"])
+def test_query_tiles_share_the_union_of_their_keys(Hq, Hkv, rows, deterministic, monkeypatch):
+    over = {"fwd_tiled": {"BLOCK_N": 32}, "bwd_tiled": {"BLOCK_N": 32}, "tile": {"rows": rows}}
+    monkeypatch.setattr(sa, "_CONFIG_OVERRIDES", over)
+    q, k, v, _ = make(B=2, S=37, T=48, Hq=Hq, Hkv=Hkv, Dqk=32, Dv=16, K=20)
+    idx = distinct_indices(2, 37, 48, 20)
+    lists = sa._key_lists(idx, 48, Hq // Hkv, wide=False)
+    assert lists.tile_q == rows // (Hq // Hkv) and lists.idx.shape[1] == -(-37 // lists.tile_q)
+    assert_matches_reference(q, k, v, idx, deterministic)
+
+
+def test_query_tiles_fall_back_to_per_token_lists_on_a_repeated_key():
+    idx = distinct_indices(1, 8, 32, 10)
+    assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 16
+    idx[0, 3, 1] = idx[0, 3, 0] = 7
+    assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 0
