@@ -4,8 +4,8 @@ Selections are what a trained DSA indexer tends to pick: a few attention-sink to
 and far tokens spread over the rest of the past (stratified random: one key drawn in each of
 ``far`` equal strata of the far range, so they are distinct and sorted). ``--far-share 1`` draws
 the far tokens independently for every query (worst case: no reuse between neighbouring queries);
-``--far-share N`` lets N consecutive queries draw from the same random numbers (far tokens largely
-shared, closer to the vertical-line patterns of real attention maps). Queries t < K select all of
+``--far-share N`` gives each block of N consecutive queries the same far tokens (the vertical-line
+pattern of real attention maps: keys that many neighbouring queries attend to). Queries t < K select all of
 keys 0..t and pad with -1.
 
 Measured (bf16, B = 1, one sequence of T tokens, S = T queries, K selected keys):
@@ -48,7 +48,11 @@ def realistic_selection(T, K, *, sinks=4, window=1024, far_share=1, seed=0, devi
         c1 = min(T, c0 + chunk)
         t = torch.arange(c0, c1, device=device)[:, None]
         short = torch.where(j <= t, j, -1)  # t < K: every visible key
-        span = (t - window + 1 - sinks).clamp_min(far)  # far range [sinks, t - window + 1)
+        # far range [sinks, t0 - window + 1) with t0 the first query of t's block of far_share
+        # queries: the whole block sees the same strata, so with the same random numbers it picks
+        # the same far keys (all before every block query's window).
+        t0 = (t // far_share) * far_share
+        span = (t0 - window + 1 - sinks).clamp_min(far)
         lo = sinks + (i * span) // far
         hi = sinks + ((i + 1) * span) // far
         if far_share == 1:

@@ -28,8 +28,8 @@ sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
 # kernel (SLAB, BLOCK_N, num_warps, num_stages). Candidates fit sm_90's 227 KB of shared memory.
 MLA_FWD = [(32, 8, 2), (32, 8, 3), (64, 8, 2)]
 MLA_BWD = [(16, 8, 2), (16, 4, 2), (16, 8, 3)]
-MLA_DQ = [(256, 64, 8, 3), (256, 32, 8, 3), (128, 64, 4, 3)]
-GQA_FWD = [(64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
+MLA_DQ = [(128, 64, 4, 3), (256, 64, 8, 3), (256, 32, 8, 3)]
+GQA_FWD = [(64, 32, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
 GQA_BWD = [(64, 64, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2)]
 
 
@@ -104,7 +104,7 @@ def main():
     sa._CONFIG_OVERRIDES.clear()
     table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
     results = []
-    for part in args.only.split(","):
+    for part in filter(None, args.only.split(",")):
         name, kind = part.split("_")
         results += sweep(name, kind, table[part], args.T, idx, args.budget_ms)
         with open(os.path.join(args.out, "tune_sparse_attention.json"), "w") as f:

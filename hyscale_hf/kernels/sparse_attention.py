@@ -488,6 +488,9 @@ SCRATCH_BYTES = 1 << 30
 # Bytes of the dS buffer [B, chunk, Hq, K] of the split (wide-row) backward.
 DS_BYTES = 1 << 30
 
+# The tiled forward runs only where the widest tile union has at most this many times K keys.
+TILED_FWD_MAX_UNION = 4
+
 # Launch configs, keyed by kernel; tests and the tuning script override entries (BLOCK_N etc.).
 _CONFIG_OVERRIDES: dict = {}
 
@@ -558,9 +561,9 @@ def _config(kind: str, group: int, dqk: int, dv: int, num_idx: int) -> dict:
         cfg = dict(BLOCK_H=block_h, BLOCK_N=16 if wide else 32, num_warps=4 if wide or block_h < 64 else 8, num_stages=2)
         cfg["split"] = wide
     elif kind == "bwd_dq":  # dQ of the split backward, SLAB columns of the key dims per program
-        cfg = dict(SLAB=256, BLOCK_N=64, num_warps=8, num_stages=3)
+        cfg = dict(SLAB=128, BLOCK_N=64, num_warps=4, num_stages=3)
     elif kind == "fwd_tiled":  # BLOCK_H rows = (query, head) pairs of a query tile
-        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3)
     else:  # "bwd_tiled"
         cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
     cfg.update(_CONFIG_OVERRIDES.get(kind, {}))
@@ -655,19 +658,25 @@ def _sparse_attention_fwd(q, k, v, indices, scale: float):
     lists = _key_lists(indices, T, group, _is_wide(Dqk, Dv))
     if S == 0:
         return o, lse, lists
-    L = lists.idx.shape[2]
-    if lists.tile_q:
+    run = lists
+    if lists.tile_q and lists.idx.shape[2] > TILED_FWD_MAX_UNION * indices.shape[2]:
+        # Little overlap between neighbouring queries: a tile's product would be mostly masked
+        # work, while the per-token forward only moves the selected rows. (The backward still
+        # takes the tiles: there a key's contributions sum in registers before one atomic add.)
+        run = _KeyLists(indices, indices, indices, 0)
+    L = run.idx.shape[2]
+    if run.tile_q:
         cfg = _config("fwd_tiled", group, Dqk, Dv, L)
-        nhb, programs = 1, lists.idx.shape[1]
+        nhb, programs = 1, run.idx.shape[1]
     else:
         cfg = _config("fwd", group, Dqk, Dv, L)
         nhb, programs = triton.cdiv(group, cfg["BLOCK_H"]), S
     _sparse_attn_fwd_kernel[(programs, B * Hkv * nhb)](
-        q, k, v, lists.idx, lists.num, lists.bits, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *lists.idx.stride(), lists.bits.stride(0) if lists.tile_q else 0,
+        q, k, v, run.idx, run.num, run.bits, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *run.idx.stride(), run.bits.stride(0) if run.tile_q else 0,
         *o.stride(), *lse.stride(),
-        S, L, Hkv, group, nhb, lists.idx.shape[1], max(1, lists.tile_q), scale * _LOG2E,
-        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, TILED=bool(lists.tile_q), BLOCK_H=cfg["BLOCK_H"],
+        S, L, Hkv, group, nhb, run.idx.shape[1], max(1, run.tile_q), scale * _LOG2E,
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, TILED=bool(run.tile_q), BLOCK_H=cfg["BLOCK_H"],
         BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

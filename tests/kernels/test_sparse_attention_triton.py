@@ -183,3 +183,12 @@ def test_query_tiles_fall_back_to_per_token_lists_on_a_repeated_key():
     assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 16
     idx[0, 3, 1] = idx[0, 3, 0] = 7
     assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 0
+
+
+def test_wide_unions_run_the_per_token_forward_and_the_tiled_backward(monkeypatch):
+    over = {"fwd": {"BLOCK_N": 16}, "bwd_tiled": {"BLOCK_N": 32}}
+    monkeypatch.setattr(sa, "_CONFIG_OVERRIDES", over)
+    monkeypatch.setattr(sa, "TILED_FWD_MAX_UNION", 0)  # every union counts as too wide
+    q, k, v, _ = make(B=1, S=20, T=40, Hq=8, Hkv=2, Dqk=32, Dv=16, K=12)
+    idx = distinct_indices(1, 20, 40, 12)
+    assert_matches_reference(q, k, v, idx, deterministic=False)
