@@ -3,22 +3,33 @@
 Layout (DESIGN section 3): Triton kernels, host launch functions, the autograd wrapper, the public
 function. The torch path is ``reference.sparse_attention_reference`` (autograd through gathers).
 
-Kernel design (DESIGN section 6). One program owns one query token and a block of the query heads
-that share one KV head (MLA absorbed: all heads share the single latent row, so up to 64 heads form
-the matmul M side; GQA: the G heads of one KV head, padded to 16 rows). It gathers the token's
-selected key rows ``BLOCK_N`` at a time and runs an online softmax. The key dim is split into a
-power-of-two part and a power-of-two tail (576 = 512 + 64), because Triton tiles need powers of two;
-when ``v`` is the first ``Dv`` dims of ``k`` (MLA) the gathered key tile doubles as the value tile.
+Kernel design (DESIGN section 6). A program owns a block of "rows" (query, head pairs) that share
+one key list, gathers the listed key rows ``BLOCK_N`` at a time and runs an online softmax:
 
-Backward recomputes P from the forward's log-sum-exp, keeps dQ in registers, and produces each
-(query, key) pair's dK/dV contribution with tensor-core products. Those contributions reach the
-fp32 ``[B, T, Hkv, Dk (+Dv)]`` accumulator one of two ways:
+- MLA absorbed (wide rows, Dqk + Dv > 512): one program per query token and up to 64 of its heads
+  (all heads share the one latent row, so the heads are the matmul M side). The key dim is split
+  into a power-of-two part and a power-of-two tail (576 = 512 + 64: Triton tiles are powers of
+  two); when ``v`` is the first ``Dv`` dims of ``k`` the gathered key tile doubles as the value tile.
+- GQA/MHA: query tiles. A tile of ``64 // G`` consecutive queries times the G heads of one KV head
+  forms 64 rows over the sorted union of the tile's selected keys, with a per-query bitmask of
+  membership (``_union_tiles``, built with torch ops). Neighbouring queries share most keys (local
+  window, sinks, keys many queries attend to), so a shared key row is read once per tile and its
+  dK/dV contribution is summed over the tile in registers before one atomic add. Where unions are
+  wide (little sharing) the forward runs per token instead (rows = the G heads padded to 16).
 
-- fast (default): fp32 atomic adds; the summation order varies from run to run;
-- deterministic: each query chunk writes its contributions to a scratch buffer, the chunk's pairs
-  are sorted by key (a stable sort, so by query within a key), and one program per key sums them in
-  that fixed order. Bit-identical results across runs, no atomics, at the price of the scratch
-  traffic. Chosen by ``deterministic=True`` or ``torch.use_deterministic_algorithms(True)``.
+Backward recomputes P from the forward's log-sum-exp. GQA: one fused kernel keeps dQ in
+registers and forms each listed key's dK/dV contribution with tensor-core products. MLA: the
+[64, 576] fp32 dQ accumulator does not fit beside the rest, so the backward is split: one kernel
+stores ``scale * dS`` (per query chunk) and forms the dK/dV contributions transposed, a second one
+computes dQ = dS @ K by column slabs. Contributions reach the fp32 ``[B, T, Hkv, Dk (+Dv)]``
+accumulator one of two ways:
+
+- fast (default): fp32 atomic adds (vectorised ``red.v4``); the summation order varies by run;
+- deterministic: each chunk of programs writes its contributions to a scratch buffer, the chunk's
+  (program, key) pairs are sorted by key (stable, so in program order within a key), and one
+  program per key sums them in that fixed order. Bit-identical results across runs, no atomics,
+  slower (scratch traffic, one sort per chunk). ``deterministic=True`` or
+  ``torch.use_deterministic_algorithms(True)``.
 
 When ``v`` is a view of the first ``Dv`` dims of ``k`` that autograd knows about (``v = k[..., :512]``),
 dV is added into the same accumulator rows as dK (one buffer, half the atomics on those dims) and the
