@@ -1,0 +1,115 @@
+"""Developer tool: time the sparse attention kernels under several launch configs (one GPU run).
+
+Sets the kernel module's private ``_CONFIG_OVERRIDES`` (block sizes, warps, stages) and times the
+forward and backward of the MLA (64 heads, 576/512) and GQA (32/8 heads, D = 128) shapes on the
+benchmark's realistic selection. Configs that fail to compile (shared memory) are reported, not
+fatal. The winners become the defaults in ``hyscale_hf/kernels/sparse_attention.py``.
+
+    python scripts/tune_sparse_attention.py --T 32768 --out results/
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sparse_attention import realistic_selection, timed  # noqa: E402
+
+from hyscale_hf import sparse_attention  # noqa: E402
+
+sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
+
+# (BLOCK_N, num_warps, num_stages); "bwd" of the MLA shape is the split dK/dV kernel, "dq" its dQ
+# kernel (SLAB, BLOCK_N, num_warps, num_stages). Candidates fit sm_90's 227 KB of shared memory.
+MLA_FWD = [(32, 8, 2), (32, 8, 3), (64, 8, 2)]
+MLA_BWD = [(16, 8, 2), (16, 4, 2), (16, 8, 3)]
+MLA_DQ = [(128, 64, 4, 3), (256, 64, 8, 3), (256, 32, 8, 3)]
+GQA_FWD = [(64, 32, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
+GQA_BWD = [(64, 64, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2)]
+
+
+def shapes(name, T):
+    dt = torch.bfloat16
+    if name == "mla":
+        q = torch.randn(1, T, 64, 576, device="cuda", dtype=dt, requires_grad=True)
+        kv = torch.randn(1, T, 1, 576, device="cuda", dtype=dt, requires_grad=True)
+        return q, kv, kv[..., :512], (q, kv)
+    q = torch.randn(1, T, 32, 128, device="cuda", dtype=dt, requires_grad=True)
+    k = torch.randn(1, T, 8, 128, device="cuda", dtype=dt, requires_grad=True)
+    v = torch.randn(1, T, 8, 128, device="cuda", dtype=dt, requires_grad=True)
+    return q, k, v, (q, k, v)
+
+
+def sweep(name, kind, configs, T, idx, budget_ms):
+    q, k, v, leaves = shapes(name, T)
+    do = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
+    rows = []
+    for cfg in configs:
+        *first, bn, warps, stages = cfg
+        sa._CONFIG_OVERRIDES.clear()
+        over = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        key = "bwd_dq" if kind == "dq" else kind
+        if first and name == "mla":
+            over["SLAB"] = first[0]
+        elif first:  # GQA runs the tiled kernels; first = tile rows
+            sa._CONFIG_OVERRIDES["tile"] = dict(rows=first[0])
+            key += "_tiled"
+        sa._CONFIG_OVERRIDES[key] = over
+        row = dict(shape=name, kind=kind, tile_rows=first[0] if first and name != "mla" else None, **over)
+        t0 = time.time()
+        try:
+            if kind == "fwd":  # "bwd" and "dq" both time the whole backward
+                with torch.no_grad():
+                    row["ms"] = timed(lambda: sparse_attention(q, k, v, idx), budget_ms=budget_ms)
+            else:
+                o = sparse_attention(q, k, v, idx)
+
+                def bwd(o=o):
+                    for x in leaves:
+                        x.grad = None
+                    o.backward(do, retain_graph=True)
+
+                row["ms"] = timed(bwd, budget_ms=budget_ms)
+                del o
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is a result, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["wall_s"] = round(time.time() - t0, 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    sa._CONFIG_OVERRIDES.clear()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--budget-ms", type=float, default=1500.0)
+    ap.add_argument("--only", default="mla_fwd,mla_bwd,mla_dq,gqa_fwd,gqa_bwd")
+    ap.add_argument("--far-share", type=int, default=1)
+    args = ap.parse_args()
+    idx = realistic_selection(args.T, args.K, far_share=args.far_share)
+    for rows in (64, 128):  # the host-side union build (sort) that the tiled GQA forward includes
+        sa._CONFIG_OVERRIDES["tile"] = dict(rows=rows)
+        ms = timed(lambda rows=rows: sa._key_lists(idx, args.T, 4, wide=False), budget_ms=args.budget_ms)
+        lists = sa._key_lists(idx, args.T, 4, wide=False)
+        print(json.dumps(dict(union_build_rows=rows, ms=ms, max_union=lists.idx.shape[2],
+                              mean_union=float(lists.num.float().mean()))), flush=True)
+    sa._CONFIG_OVERRIDES.clear()
+    table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
+    results = []
+    for part in filter(None, args.only.split(",")):
+        name, kind = part.split("_")
+        results += sweep(name, kind, table[part], args.T, idx, args.budget_ms)
+        with open(os.path.join(args.out, "tune_sparse_attention.json"), "w") as f:
+            json.dump(dict(T=args.T, K=args.K, device=torch.cuda.get_device_name(), rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
