@@ -100,7 +100,7 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
             if row.get("oom"):
                 break
         search = []
-        if longest is not None and not args.no_search:
+        if longest is not None and arm in args.search_arms:
             T = longest * 2
             while T <= args.search_max:
                 try:
@@ -197,7 +197,8 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--search-max", type=int, default=None, help="largest T tried by the doubling search")
     p.add_argument("--step-cap-s", type=float, default=60.0, help="stop the search once a step takes longer")
-    p.add_argument("--no-search", action="store_true")
+    p.add_argument("--search-arms", nargs="*", default=list(ARMS), choices=ARMS,
+                   help="arms that run the longest-context search (none: skip it)")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
