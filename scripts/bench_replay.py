@@ -13,6 +13,8 @@ Also HyTopK alone at the same T (H = 32, D = 128, topk 2048): replay should save
 ``layers x HyTopK`` per step. Each arm records median step time, peak memory and
 ``selection_stats()`` per step (indexer runs in forward / recompute, replayed selections).
 
+Run from the repository root (PYTHONPATH=. or the package installed):
+
     python scripts/bench_replay.py --out results/                # T = 32768 65536, JSON (+ PNG)
     python scripts/bench_replay.py --tiny --out /tmp/replay      # CPU smoke run at a tiny size
     python scripts/bench_replay.py --plot results/bench_replay.json
