@@ -322,15 +322,13 @@ def _entry_points(model: torch.nn.Module) -> list[str]:
         return names
     if callable(getattr(model, "gradient_checkpointing_enable", None)):
         return ["gradient_checkpointing_enable"]
-    raise TypeError(
-        f"{cls.__name__} has no gradient_checkpointing_enable / activation_checkpointing_enable; use "
-        "hyscale_hf.wrap_layers_for_replay(model) or pass hyscale_hf.replay_context_fn() to your own "
-        "torch.utils.checkpoint.checkpoint calls"
-    )
+    return []
 
 
-def _wrap_entry_point(model: torch.nn.Module, name: str, verify: Callable[[], bool]):
-    original = getattr(model, name)
+def _wrap_entry_point(owner: torch.nn.Module, name: str, model: torch.nn.Module, verify: Callable[[], bool]):
+    """``owner.<name>`` that injects non-reentrant kwargs, then installs the policy on all of ``model``
+    (``owner`` is ``model`` or a Transformers model nested in it, e.g. ``model.model``)."""
+    original = getattr(owner, name)
     kwarg_name = _ENTRY_KWARG[name]
 
     @functools.wraps(original)
@@ -344,7 +342,6 @@ def _wrap_entry_point(model: torch.nn.Module, name: str, verify: Callable[[], bo
         _install_policy(model, verify)
         return result
 
-    enable_with_replay.__hyscale_replay__ = True
     return enable_with_replay
 
 
@@ -382,24 +379,32 @@ def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = Non
     if existing is not None:
         return existing
     verify_fn = _verify_source(target, verify)
-    names = _entry_points(target)
+    if not _entry_points(target):
+        raise TypeError(
+            f"{type(target).__name__} has no gradient_checkpointing_enable / activation_checkpointing_enable; "
+            "use hyscale_hf.wrap_layers_for_replay(model) or pass hyscale_hf.replay_context_fn() to your own "
+            "torch.utils.checkpoint.checkpoint calls"
+        )
     for name, module, active in _checkpointed_modules(target):
         problem = _why_not_replayable(module._gradient_checkpointing_func)
         if active and problem:
             raise ValueError(f"cannot enable selection replay on {name}: {problem}")
-    previous = {name: target.__dict__.get(name, _MISSING) for name in names}
-    for name in names:
-        setattr(target, name, _wrap_entry_point(target, name, verify_fn))
+    # The model and every Transformers model inside it (model.model, ...): enabling any of them
+    # must install the policy.
+    owners = [(m, _entry_points(m)) for m in target.modules()]
+    previous = [(m, name, m.__dict__.get(name, _MISSING)) for m, names in owners for name in names]
+    for owner, name, _ in previous:
+        setattr(owner, name, _wrap_entry_point(owner, name, target, verify_fn))
     _install_policy(target, verify_fn)
 
     def undo() -> None:
         if target.__dict__.get(_HANDLE_ATTR) is not undo:
             return
-        for name, value in previous.items():
+        for owner, name, value in previous:
             if value is _MISSING:
-                target.__dict__.pop(name, None)
+                owner.__dict__.pop(name, None)
             else:
-                setattr(target, name, value)
+                setattr(owner, name, value)
         _remove_policy(target)
         del target.__dict__[_HANDLE_ATTR]
 

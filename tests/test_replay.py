@@ -15,7 +15,7 @@ from hyscale_hf.replay import ReplayContextFn, _ReplayCheckpointFunc
 from tests import replay_toy
 from tests.replay_toy import make_toy
 
-pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # Transformers 5.23+ deprecation notices
 
 B, T, VOCAB = 2, 16, 32
 N_LAYERS, N_FULL = 4, 2  # toy layer types: full, shared, full, shared

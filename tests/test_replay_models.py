@@ -157,3 +157,11 @@ def test_trainer_with_gradient_checkpointing(model_type, tmp_path):
     full, shared = _layout(model_type)
     assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == 3 * (full + shared)
     _assert_bitwise(reference, trained)
+
+
+def test_enabling_checkpointing_on_the_inner_model_also_replays():
+    model = _patched("llama")
+    model.model.gradient_checkpointing_enable()  # the decoder stack, not the CausalLM
+    _step(model, _ids())
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == 2
