@@ -437,7 +437,12 @@ def wrap_layers_for_replay(
     checkpointing wraps layers without a ``context_fn`` and would rerun the indexer in backward.
     Leave Transformers' gradient checkpointing off as well (this refuses to double-checkpoint).
     accelerate's FSDP2 wrap policy looks through ``CheckpointWrapper``, so the layers still get
-    their own FSDP groups.
+    their own FSDP groups. Example (accelerate config: ``fsdp_version: 2``,
+    ``fsdp_activation_checkpointing: false``)::
+
+        model = hyscale_hf.patch_model(AutoModelForCausalLM.from_pretrained(name))
+        hyscale_hf.wrap_layers_for_replay(model)
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     Args:
         model: the model (PEFT wrappers looked through).

@@ -294,3 +294,31 @@ def test_trainer_gradient_checkpointing_matches_training_without_it(tmp_path):
     _assert_bitwise(reference, trained)
     with pytest.raises(ValueError, match="non-reentrant"):
         train(True, gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_wrap_layers_for_replay_under_fsdp2(tmp_path):
+    """The FSDP2 recipe: wrap the layers, then fully_shard them (one gloo process on the CPU)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    from torch.distributed.fsdp import fully_shard
+
+    ids = _ids()
+    reference = _reference_grads(ids)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = patch_model(make_toy())
+        hyscale_hf.wrap_layers_for_replay(model)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        hyscale_hf.reset_selection_stats()
+        model(ids, labels=ids).loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()
+                 for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    _assert_bitwise(reference, grads)
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == N_LAYERS
