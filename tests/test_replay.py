@@ -322,3 +322,31 @@ def test_wrap_layers_for_replay_under_fsdp2(tmp_path):
     _assert_bitwise(reference, grads)
     stats = hyscale_hf.selection_stats()
     assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == N_LAYERS
+
+
+class _Toy517(replay_toy.ToyModel):
+    """Transformers 5.17's checkpointing surface: gradient_checkpointing_enable is the only entry
+    point (its body, as in 5.17's modeling_utils, without offload) and there is no
+    activation_checkpointing_enable."""
+
+    activation_checkpointing_enable = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        if gradient_checkpointing_kwargs is None:
+            gradient_checkpointing_kwargs = {"use_reentrant": False}
+        func = functools.partial(torch.utils.checkpoint.checkpoint, **gradient_checkpointing_kwargs)
+        self._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+
+
+def test_transformers_517_entry_point():
+    torch.manual_seed(0)
+    model = patch_model(_Toy517(replay_toy.ToyConfig()).train())
+    assert "gradient_checkpointing_enable" in model.__dict__
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    # The call the 5.17 Trainer makes.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False)
+    _assert_bitwise(_reference_grads(_ids()), _step(model, _ids()))
+    assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
+    unpatch_model(model)
+    assert "gradient_checkpointing_enable" not in model.__dict__
