@@ -385,17 +385,13 @@ def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = Non
             "use hyscale_hf.wrap_layers_for_replay(model) or pass hyscale_hf.replay_context_fn() to your own "
             "torch.utils.checkpoint.checkpoint calls"
         )
-    for name, module, active in _checkpointed_modules(target):
-        problem = _why_not_replayable(module._gradient_checkpointing_func)
-        if active and problem:
-            raise ValueError(f"cannot enable selection replay on {name}: {problem}")
+    _install_policy(target, verify_fn)  # checkpointing already on (refuses reentrant before any change)
     # The model and every Transformers model inside it (model.model, ...): enabling any of them
     # must install the policy.
     owners = [(m, _entry_points(m)) for m in target.modules()]
     previous = [(m, name, m.__dict__.get(name, _MISSING)) for m, names in owners for name in names]
     for owner, name, _ in previous:
         setattr(owner, name, _wrap_entry_point(owner, name, target, verify_fn))
-    _install_policy(target, verify_fn)
 
     def undo() -> None:
         if target.__dict__.get(_HANDLE_ATTR) is not undo:
