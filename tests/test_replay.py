@@ -47,6 +47,12 @@ def _reference_grads(ids, **config):
     return _step(model, ids)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _toy_family():
+    with replay_toy.toy_family():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_stats():
     hyscale_hf.reset_selection_stats()
