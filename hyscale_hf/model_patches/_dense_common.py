@@ -12,12 +12,11 @@ How a patched model runs (one model instance; nothing is changed at class level)
   selects with ``hytopk`` and attends with ``sparse_attention`` (or densely in the warm-up stage),
   and joins the indexer KL loss to the output during training.
 - ``"hyscale_dense"`` is registered in ``AttentionMaskInterface`` too: its "mask" is the 2-D padding
-  mask (or None), never a ``[B, 1, S, T]`` tensor. Visibility is rebuilt per layer from it:
-  left padding -> ``window_start`` (first real key), right padding -> keys after the last real key
-  are dropped from the (padding) queries that could see them, packed sequences (``cu_seq_lens_q``
-  kwargs, or ``position_ids`` resets without a 2-D mask or cached keys) -> ``cu_seqlens`` (batch 1)
-  or a per-query ``window_start``, a sliding window (Mistral, Qwen sliding layers) -> a per-query
-  ``window_start`` of ``pos - window + 1``. Masks with holes inside a row are refused.
+  mask (or None), never a ``[B, 1, S, T]`` tensor. Each layer turns it, the packing kwargs /
+  position_ids and its sliding window into hytopk's visibility (``_dense_visibility``): left and
+  right padding, packed sequences, sliding windows. Masks with holes inside a row are refused.
+- The dense warm-up stage attends over all visible keys with SDPA (a boolean ``[B, 1, S, T]``
+  mask only when padding, packing or a window needs one, as the family's own sdpa path does).
 - generate(): the indexer's keys are cached on the KV cache's layer objects (``_dense_cache``).
 - Save / load (``_dense_weights``): patching records the indexer settings in
   ``model.config.hyscale_indexer``, so ``save_pretrained`` writes them to config.json next to the
@@ -43,6 +42,7 @@ from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
 from ..patching import PatchState
 from ._dense_cache import indexer_cache_layer
+from ._dense_visibility import Visibility, visibility
 from ._dense_weights import RECORD_ATTR, load_saved_indexers
 
 ATTN_IMPL = "hyscale_dense"
@@ -60,103 +60,10 @@ class _LayerCall:
     state: PatchState
 
 
-# ----------------------------------------------------------------------------- visibility
-
-
-@dataclass
-class _Visibility:
-    cu_seqlens: torch.Tensor | None  # packed sequences, B = 1, no cached keys
-    window_start: torch.Tensor | None  # [B] or [B, S] first visible key
-    key_end: torch.Tensor | None  # [B] last real key when a row is right-padded, else None
-    query_real: torch.Tensor | None  # [B, S] bool, False for padding queries (None: all real)
-
-
-def _padding_bounds(mask: torch.Tensor, T: int):
-    """First and last real key per row of a 2-D padding mask cut to the T keys attention sees."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(
-            f"hyscale_hf dense attention needs a 2-D padding attention_mask [batch, tokens] (or None); got {shape}"
-        )
-    if mask.shape[1] < T:
-        raise ValueError(f"attention_mask covers {mask.shape[1]} tokens but attention sees {T} keys")
-    m = mask[:, mask.shape[1] - T :].bool()
-    count = m.sum(1)
-    pos = torch.arange(T, device=m.device)
-    first = torch.where(m, pos, T).amin(1)
-    last = torch.where(m, pos, -1).amax(1)
-    if bool(((count > 0) & (count != last - first + 1)).any()):
-        raise ValueError(
-            "attention_mask has padding inside a row (zeros between ones); hyscale_hf supports left and right "
-            "padding (each row one block of ones). For several sequences in one row use packing "
-            "(position_ids resets or cu_seq_lens_q/k)"
-        )
-    return m, first, last
-
-
-def _segment_starts(position_ids: torch.Tensor, B: int, S: int) -> torch.Tensor | None:
-    """[B, S] index of each query's packed-sequence start from position_ids resets, or None if none."""
-    pos = position_ids.expand(B, -1) if position_ids.shape[0] != B else position_ids
-    if pos.dim() != 2 or pos.shape[1] != S:
-        return None
-    is_start = torch.ones_like(pos, dtype=torch.bool)
-    is_start[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
-    if not bool(is_start[:, 1:].any()):
-        return None
-    idx = torch.arange(S, device=pos.device).expand(B, S)
-    return torch.where(is_start, idx, 0).cummax(dim=1).values
-
-
-def _visibility(attention_mask, kwargs: dict, B: int, S: int, T: int, sliding_window, device) -> _Visibility:
-    parts = []  # window_start pieces, [B] or [B, S]
-    key_end = query_real = cu_seqlens = None
-    if attention_mask is not None:
-        m, first, last = _padding_bounds(attention_mask, T)
-        parts.append(first)
-        if bool((last < T - 1).any()):
-            key_end = last
-        query_real = m[:, T - S :]
-        if bool(query_real.all()):
-            query_real = None
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        if B != 1 or S != T:
-            raise ValueError(
-                f"cu_seq_lens_q (packed sequences) needs batch size 1 and no cached keys; got batch {B}, "
-                f"{S} queries over {T} keys"
-            )
-        cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k.to(cu.device), cu):
-            raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; hyscale_hf supports self-attention packing only")
-        cu_seqlens = cu.to(device)
-    elif attention_mask is None and S == T and kwargs.get("position_ids") is not None:
-        seg = _segment_starts(kwargs["position_ids"].to(device), B, S)
-        if seg is not None:
-            if B == 1:
-                starts = torch.unique(seg[0])
-                cu_seqlens = torch.cat([starts, starts.new_tensor([T])]).to(torch.int32)
-            else:
-                parts.append(seg)
-    if sliding_window is not None:
-        qpos = torch.arange(T - S, T, device=device)
-        parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
-    window_start = None
-    for p in parts:
-        p = p.to(device=device, dtype=torch.int64)
-        if window_start is None:
-            window_start = p
-        else:
-            if window_start.dim() != p.dim():
-                window_start = window_start[:, None].expand(B, S) if window_start.dim() == 1 else window_start
-                p = p[:, None].expand(B, S) if p.dim() == 1 else p
-            window_start = torch.maximum(window_start, p)
-    return _Visibility(cu_seqlens, window_start, key_end, query_real)
-
-
 # ----------------------------------------------------------------------------- attention
 
 
-def _dense_attention(q, k, v, vis: _Visibility, scaling: float) -> torch.Tensor:
+def _dense_attention(q, k, v, vis: Visibility, scaling: float) -> torch.Tensor:
     """Dense warm-up attention over every visible key: q [B, S, Hq, D], k/v [B, T, Hkv, D] -> [B, S, Hq, Dv]."""
     B, S, _, _ = q.shape
     T = k.shape[1]
@@ -204,7 +111,7 @@ def dense_sparse_attention(module, query, key, value, attention_mask, dropout=0.
         ik = indexer_cache_layer(call.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
     elif T != S:
         raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
-    vis = _visibility(attention_mask, kwargs, B, S, T, sliding_window, query.device)
+    vis = visibility(attention_mask, kwargs, B, S, T, sliding_window, query.device)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     relu = bool(cfg.relu)
     want_loss = module.training and torch.is_grad_enabled() and cfg.indexer_loss_coef > 0
@@ -249,21 +156,27 @@ AttentionMaskInterface.register(ATTN_IMPL, padding_mask_only)
 # ----------------------------------------------------------------------------- patch / undo
 
 
-def _patched_forward(inner, state: PatchState):
+# Attributes a patched attention module carries. They are plain attributes (no closures), so
+# copy.deepcopy of a patched model (e.g. a reference model for RL fine-tuning) gives an independent
+# patched copy whose forwards, state and undo all point at the copy.
+_STATE = "_hyscale_dense_state"
+_PREV_FORWARD = "_hyscale_dense_prev_forward"
+
+
+def _patched_forward(self, *args, **kwargs):
     """Instance forward: the module's own forward plus the hidden states, rotary tables and cache.
 
     The attention signature is ``(hidden_states, position_embeddings, attention_mask, cache, **kwargs)``
     in every dense family; the cache argument is ``past_key_values`` before Transformers 5.18.
     """
-
-    def forward(self, *args, **kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        pos_emb = args[1] if len(args) > 1 else kwargs.get("position_embeddings")
-        cache = args[3] if len(args) > 3 else kwargs.get("cache", kwargs.get("past_key_values"))
-        call = _LayerCall(hidden, pos_emb, cache, state)
-        return inner(*args, **{_CALL_KWARG: call}, **kwargs)
-
-    return forward
+    hidden = args[0] if args else kwargs["hidden_states"]
+    pos_emb = args[1] if len(args) > 1 else kwargs.get("position_embeddings")
+    cache = args[3] if len(args) > 3 else kwargs.get("cache", kwargs.get("past_key_values"))
+    call = _LayerCall(hidden, pos_emb, cache, getattr(self, _STATE))
+    prev = getattr(self, _PREV_FORWARD)  # an instance forward that was there before (e.g. an accelerate hook)
+    if prev is not None:
+        return prev(*args, **{_CALL_KWARG: call}, **kwargs)
+    return type(self).forward(self, *args, **{_CALL_KWARG: call}, **kwargs)
 
 
 def _rotary_dim(model: nn.Module) -> int:
@@ -302,6 +215,44 @@ def _resolve_settings(model_config, state: PatchState, rotary_dim: int) -> dict:
     return out
 
 
+class _Absent:
+    """Marks an attribute that did not exist before patching (a class: deepcopy keeps its identity)."""
+
+
+class _DenseUndo:
+    """Restores a patched model exactly. A callable object rather than a closure, so that it is
+    deep-copied along with the model and then restores the copy."""
+
+    def __init__(self, config, attns: list[nn.Module]) -> None:
+        self.config = config
+        self.attns = attns
+        self.forwards: list[tuple[nn.Module, Any]] = []  # (module, previous instance forward or None)
+        self.impls: list[tuple[Any, Any]] = []  # (config, previous _attn_implementation)
+        self.record: Any = _Absent  # previous RECORD_ATTR value (_Absent if there was none)
+        self.record_set = False
+
+    def __call__(self) -> None:
+        if self.record_set:
+            if self.record is _Absent:
+                self.config.__dict__.pop(RECORD_ATTR, None)
+            else:
+                setattr(self.config, RECORD_ATTR, self.record)
+            self.record_set = False
+        for config, old in reversed(self.impls):
+            config._attn_implementation = old
+        self.impls.clear()
+        for m, prev in reversed(self.forwards):
+            del m.forward
+            if prev is not None:
+                m.forward = prev
+            for name in (_STATE, _PREV_FORWARD):
+                m.__dict__.pop(name, None)
+        self.forwards.clear()
+        for m in self.attns:
+            if "indexer" in m._modules:
+                del m.indexer
+
+
 def make_dense_apply(attention_cls: type, apply_rotary):
     """The ``apply(model, state) -> undo`` of a dense family whose attention class is ``attention_cls``
     and whose RoPE function is ``apply_rotary`` (the family's ``apply_rotary_pos_emb``)."""
@@ -317,33 +268,26 @@ def make_dense_apply(attention_cls: type, apply_rotary):
         loaded_record = config.__dict__.get(RECORD_ATTR)
         settings = _resolve_settings(config, state, _rotary_dim(model))
         configs = {id(c): c for c in [config] + [m.config for _, m in attns]}.values()
-        undo_steps = []
-
-        def undo():
-            for step in reversed(undo_steps):
-                step()
-            undo_steps.clear()
-
+        undo = _DenseUndo(config, [m for _, m in attns])
         try:
             for _, m in attns:
-                ref = m.q_proj.weight
+                ref = getattr(m.q_proj, "base_layer", m.q_proj).weight  # (PEFT wraps q_proj)
                 m.indexer = LightningIndexer(
                     config.hidden_size, settings["index_n_heads"], settings["index_head_dim"], settings["rope_dim"],
                     apply_rotary=apply_rotary, init_std=float(getattr(config, "initializer_range", 0.02)),
                     dtype=ref.dtype, device=ref.device,
                 )
-                undo_steps.append(lambda m=m: delattr(m, "indexer"))
                 prev = m.__dict__.get("forward")
-                inner = prev if prev is not None else types.MethodType(type(m).forward, m)
-                m.forward = types.MethodType(_patched_forward(inner, state), m)
-                undo_steps.append(lambda m=m, prev=prev: _restore_forward(m, prev))
+                setattr(m, _STATE, state)
+                setattr(m, _PREV_FORWARD, prev)
+                m.forward = types.MethodType(_patched_forward, m)
+                undo.forwards.append((m, prev))
             for c in configs:
-                old_impl = c._attn_implementation
+                undo.impls.append((c, c._attn_implementation))
                 c._attn_implementation = ATTN_IMPL
-                undo_steps.append(lambda c=c, old=old_impl: setattr(c, "_attn_implementation", old))
-            old_record = config.__dict__.get(RECORD_ATTR, _MISSING)
+            undo.record = config.__dict__.get(RECORD_ATTR, _Absent)
+            undo.record_set = True
             setattr(config, RECORD_ATTR, {"kind": "dense", **settings})
-            undo_steps.append(lambda: _restore_attr(config, RECORD_ATTR, old_record))
             if loaded_record is not None:
                 load_saved_indexers(model, {name: m.indexer for name, m in attns})
         except BaseException:
@@ -352,20 +296,3 @@ def make_dense_apply(attention_cls: type, apply_rotary):
         return undo
 
     return apply
-
-
-_MISSING = object()
-
-
-def _restore_forward(module: nn.Module, prev) -> None:
-    del module.forward
-    if prev is not None:
-        module.forward = prev
-
-
-def _restore_attr(obj, name: str, old) -> None:
-    if old is _MISSING:
-        if name in obj.__dict__:
-            delattr(obj, name)
-    else:
-        setattr(obj, name, old)

@@ -60,8 +60,9 @@ def test_train_step_matches_unpatched_when_topk_covers(variant, warmup):
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    out_r = ref(ids, attention_mask=mask, labels=labels, use_cache=False)
-    out_p = pat(ids, attention_mask=mask, labels=labels, use_cache=False)
+    # Default use_cache (True), as the Trainer calls it: the forward fills a cache it then drops.
+    out_r = ref(ids, attention_mask=mask, labels=labels)
+    out_p = pat(ids, attention_mask=mask, labels=labels)
     out_r.loss.backward()
     out_p.loss.backward()
     _close(out_p.logits, out_r.logits)
@@ -271,3 +272,79 @@ def test_resolved_settings_are_written_back():
     indexer = model.model.layers[0].self_attn.indexer
     assert (indexer.n_heads, indexer.head_dim, indexer.rope_dim) == (32, 128, 8)  # rope capped by head_dim 8
     assert model.config.hyscale_indexer["rope_dim"] == 8
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_matches_plain_backward(reentrant):
+    plain = _patched("qwen3", topk=3).train()
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = tokens(2, 10)
+    for model in (plain, ckpt):
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    grads = dict(ckpt.named_parameters())
+    for name, p in plain.named_parameters():
+        _close(grads[name].grad, p.grad)
+    if not reentrant:  # (reentrant checkpointing runs the forward without grad: no loss is logged there)
+        # The recompute in backward does not log the indexer loss a second time.
+        assert len(patch_state(ckpt).indexer_losses) == ckpt.config.num_hidden_layers
+
+
+def test_bf16_forward_backward_runs():
+    model = tiny_model("llama").to(torch.bfloat16).train()
+    patch_model(model, topk=4, **INDEXER)
+    assert model.model.layers[0].self_attn.indexer.wq.weight.dtype == torch.bfloat16
+    ids = tokens(2, 10)
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in _indexer_params(model).values())
+
+
+def test_deepcopy_of_a_patched_model_is_an_independent_patched_model():
+    model = _patched("mistral_sw", topk=3)
+    twin = copy.deepcopy(model)  # e.g. a frozen reference model for RL fine-tuning
+    ids = tokens(2, 9)
+    with torch.no_grad():
+        expected = model(ids).logits
+        _close(twin(ids).logits, expected, atol=0)
+        for p in _indexer_params(twin).values():  # the twin's own weights are the ones it uses
+            p.zero_()
+        assert not torch.allclose(twin(ids).logits, expected)
+    unpatch_model(twin)
+    assert is_patched(model) and not is_patched(twin)
+    assert not any(".indexer." in n for n in twin.state_dict())
+    with torch.no_grad():
+        _close(model(ids).logits, expected, atol=0)
+
+
+def test_static_cache_is_refused_clearly():
+    model = _patched("llama", topk=3)
+    with pytest.raises(TypeError, match="static and quantized caches are not supported"):
+        model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)
+
+
+def test_peft_wrapped_model_patches_and_trains_the_indexer():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
+    patch_model(model, topk=3, **INDEXER)  # looks through the PEFT wrapper
+    assert is_patched(model)
+    ids = tokens(2, 8)
+    model.train()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    indexer = _indexer_params(model)
+    assert indexer and all(p.requires_grad and p.grad is not None for p in indexer.values())
+    unpatch_model(model)
+    assert not _indexer_params(model)
+
+
+def test_save_load_round_trip_sharded(tmp_path):
+    model = _patched("glm4", topk=3)
+    with torch.no_grad():
+        for p in _indexer_params(model).values():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded = patch_model(type(model).from_pretrained(tmp_path))
+    restored = _indexer_params(loaded)
+    for name, p in _indexer_params(model).items():
+        assert torch.equal(restored[name], p), name
