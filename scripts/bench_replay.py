@@ -27,63 +27,14 @@ import json
 import os
 import platform
 import statistics
-import time
+import sys
 
 import torch
 
-import hyscale_hf
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  # noqa: E402
 
-GLM5 = dict(
-    hidden_size=6144, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
-    qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
-    index_topk=2048, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, vocab_size=32000,
-)
-TINY = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, index_n_heads=4, index_head_dim=16,
-    index_topk=8, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-    num_experts_per_tok=2, n_shared_experts=1, vocab_size=128,
-)
-
-
-def build_model(dims: dict, layers: int, max_t: int, device, dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "glm_moe_dsa", num_hidden_layers=layers, first_k_dense_replace=layers, n_group=1, topk_group=1,
-        max_position_embeddings=max(max_t, 4096), indexer_types=["full"] * layers, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, **dims,
-    )
-    config.use_cache = False
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise the weights where they will live
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
-    return model.train()
-
-
-def enable_checkpointing(model) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # Transformers 5.23+
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:  # 5.17
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, device, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+import hyscale_hf  # noqa: E402
 
 
 def bench_hytopk(T: int, dims: dict, device, dtype, reps: int) -> float:

@@ -1,0 +1,29 @@
+"""scripts/bench_e2e.py runs end to end at a tiny size on the CPU (the GPU run uses the same code)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import hyscale_hf
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_e2e.py"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_e2e_tiny(tmp_path):
+    if "glm_moe_dsa" not in hyscale_hf.supported_model_types():
+        pytest.skip("glm_moe_dsa is not patchable with the installed Transformers")
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tiny", "--arms", "hyscale", "dense", "--seqlens", "16", "32", "--reps", "1", "--warmup", "0",
+                "--search-arms", "hyscale", "--search-max", "64", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_e2e.json").read_text())
+    hyscale, dense = result["arms"]
+    assert [r["T"] for r in hyscale["rows"]] == [16, 32] and all(r["step_ms"] > 0 for r in hyscale["rows"])
+    assert [r["T"] for r in hyscale["search"]] == [64] and hyscale["longest_trained_T"] == 64
+    assert dense["search"] == [] and dense["longest_trained_T"] == 32
+    assert set(result["ratios_vs_hyscale"]["dense"]) == {"16", "32"}
+    assert (tmp_path / "bench_e2e.png").stat().st_size > 0
