@@ -212,12 +212,14 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
-        "arms": [run_arm(arm, args, dims, device, dtype) for arm in args.arms],
+        "arms": [],
     }
-    result["ratios_vs_hyscale"] = ratios(result)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    for arm in args.arms:  # the JSON is rewritten after each arm, so a cut-short run keeps what finished
+        result["arms"].append(run_arm(arm, args, dims, device, dtype))
+        result["ratios_vs_hyscale"] = ratios(result)
+        with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+            json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "bench_e2e.png"))
     print(table(result))
     return result

@@ -3,6 +3,8 @@
 # benchmarks. Stages are named on the command line (default: all), e.g.
 #   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
+# Extra arguments per benchmark come from E2E_ARGS, REPLAY_ARGS, HYTOPK_ARGS, SATTN_ARGS; stage time
+# limits from E2E_S, REPLAY_S, TESTS_S (seconds).
 # Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
 # results.tgz with everything; a summary table is printed last.
 set -u
@@ -32,18 +34,18 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, log, record the exit status
 for s in $stages; do
   case $s in
     tests)   # every GPU-marked test
-      stage gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+      stage gpu_tests "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
     compat)  # the CPU suite of the patches under the host's Transformers version, GPU hidden
       CUDA_VISIBLE_DEVICES="" stage compat_tests 400 python3 -m pytest -q -p no:cacheprovider -x \
         tests/model_patches tests/test_replay.py tests/test_replay_models.py ;;
     kernels)
-      stage bench_hytopk 300 python3 scripts/bench_hytopk.py --out "$RES"
-      stage bench_sparse_attention 240 python3 scripts/bench_sparse_attention.py --out "$RES"
+      stage bench_hytopk 300 python3 scripts/bench_hytopk.py --out "$RES" ${HYTOPK_ARGS:-}
+      stage bench_sparse_attention 240 python3 scripts/bench_sparse_attention.py --out "$RES" ${SATTN_ARGS:-}
       stage bench_indexer_loss 120 python3 scripts/bench_indexer_loss.py --out "$RES/bench_indexer_loss.json" ;;
     replay)
-      stage bench_replay 300 python3 scripts/bench_replay.py --out "$RES" ;;
+      stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
-      stage bench_e2e 560 python3 scripts/bench_e2e.py --out "$RES" ;;
+      stage bench_e2e "${E2E_S:-560}" python3 scripts/bench_e2e.py --out "$RES" ${E2E_ARGS:-} ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done
