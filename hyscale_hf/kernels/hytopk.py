@@ -68,6 +68,8 @@ class HyTopKConfig:
     num_warps: int = 8
     num_stages: int = 2
     CH: int = 1024  # chunk of buffer keys per step of the radix select / compaction
+    keys_on_m: bool = True  # matmul orientation: keys x (queries * heads), or the transpose
+    maxnreg: int | None = None  # register cap per thread (e.g. 128: two 8-warp programs per SM)
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -86,14 +88,15 @@ def _pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> Hy
 def _hytopk_triton(
     q, k, w, topk, *, cu_seqlens=None, window_start=None, relu=True, check_nan=False, return_scores=True,
     config: HyTopKConfig | None = None, cap: int | None = None, chunk_rows: int | None = None,
-    score_only: bool = False,
+    score_only: bool = False, scan_only: bool = False,
 ):  # fmt: skip
     """Host launch of the Triton HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
 
     ``scores`` is ``[B, S, 0]`` when ``return_scores`` is False. ``config``/``cap``/``chunk_rows``
     override the tiling, the per-row candidate buffer (slots) and the rows per launch (tests use
     tiny buffers to force many refinements). ``score_only`` (benchmarks) runs only the scoring part
-    and returns the per-row sums of visible scores.
+    and returns the per-row sums of visible scores; ``scan_only`` (benchmarks) stops before the
+    final per-row selection and returns the buffer fill counts of the last chunk.
     """
     B, S, H, D = q.shape
     T = k.shape[1]
@@ -115,8 +118,11 @@ def _hytopk_triton(
     CH = min(cfg.CH, triton.next_power_of_2(BLOCK_K + BN + 1))
     if cap is None:
         cap = max(4 * BLOCK_K, BLOCK_K + 4 * BN)
-    cap = triton.cdiv(max(cap, K + BN + 1), CH) * CH  # a refine always frees room for a whole tile
-    slack = (cap - K - BN) // 2
+    cap = triton.cdiv(max(cap, K + BN + 1), CH) * CH
+    # A segment of SEG tiles adds at most SEG * BN keys to a row, and a refine leaves at most
+    # K + slack, so refining rows with cnt > cap - SEG * BN before each segment never overflows.
+    seg = max(1, (cap - K) // (2 * BN))
+    slack = (cap - K - seg * BN) // 2
     if chunk_rows is None:
         chunk_rows = max(BQ, SCRATCH_BYTES // (8 * cap * B) // BQ * BQ)
     R = min(S, chunk_rows)
@@ -141,18 +147,20 @@ def _hytopk_triton(
         scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
     nan_any = torch.zeros((), dtype=torch.bool, device=dev)
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg and not interp:
+        launch["maxnreg"] = cfg.maxnreg
     for i0 in range(0, S, R):
         rc = min(R, S - i0)
         _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
             q, k, w, start, buf, cnt, refine, nan_rows, dbg[:, i0:] if score_only else dbg,
             S, T, i0, rc, K, slack, cap // BN,
             *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, CAP=cap, CH=CH,
+            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, CAP=cap, CH=CH, SEG=seg,
             RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
-            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only,
+            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, KEYS_ON_M=cfg.keys_on_m,
             **launch,
         )  # fmt: skip
-        if score_only:
+        if score_only or scan_only:
             continue
         _kernels._hytopk_finalize_kernel[(rc, B)](
             buf, cnt, indices, scores, i0, rc, K, K,
@@ -164,8 +172,8 @@ def _hytopk_triton(
         counters += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
         if check_nan:
             nan_any |= nan_rows[:, :rc].any()
-    if score_only:
-        return dbg
+    if score_only or scan_only:
+        return dbg if score_only else cnt
     _STATS["calls"] += 1
     _STATS["rows"] += B * S
     if check_nan and bool(nan_any):

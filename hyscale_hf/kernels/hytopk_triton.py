@@ -23,11 +23,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_I32_MIN: tl.constexpr = -(2**31)
-_I32_MAX: tl.constexpr = 2**31 - 1
-_I64_MIN: tl.constexpr = -(2**63)
-_I64_MAX: tl.constexpr = 2**63 - 1
-_NAN_MONO: tl.constexpr = -(2**31) + 1  # reference._NAN_KEY: below -inf, above masked keys
+_I32_MIN = tl.constexpr(-(2**31))
+_I32_MAX = tl.constexpr(2**31 - 1)
+_I64_MIN = tl.constexpr(-(2**63))
+_I64_MAX = tl.constexpr(2**63 - 1)
+_NAN_MONO = tl.constexpr(-(2**31) + 1)  # reference._NAN_KEY: below -inf, above masked keys
 
 
 @triton.jit
@@ -112,8 +112,8 @@ def _hytopk_scan_kernel(
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BQ: tl.constexpr, BN: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
-    RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SCORE_ONLY: tl.constexpr,
+    SEG: tl.constexpr, RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, SCORE_ONLY: tl.constexpr, KEYS_ON_M: tl.constexpr,
 ):  # fmt: skip
     """Scores key tiles of BQ query rows (queries I0 + [0, R) of batch program_id(1)) and keeps
     every key that can still be in a row's top K in the row's buffer ``buf[b, r, 0:cnt]``."""
@@ -142,6 +142,8 @@ def _hytopk_scan_kernel(
     wv = tl.load(w_rows, mask=c_ok, other=0.0)
     if UPCAST:
         qT = qT.to(tl.float32)
+    if not KEYS_ON_M:
+        qm = tl.trans(qT)  # [BQ * HP, DP]: queries x heads on the matmul M side
 
     buf_rows = buf_ptr + (b * R + r_loc).to(tl.int64) * CAP  # [BQ] row buffers
     th_mono = tl.full([BQ], _I32_MIN, tl.int32)  # tau of each row as (mono, largest index that ties)
@@ -155,68 +157,81 @@ def _hytopk_scan_kernel(
     last = hi // BN
     n_tiles = tl.where(hi >= lo, last - first + 1, 0)
     n_local = tl.minimum(n_tiles, LOCAL_TILES)
-    for it in range(0, n_tiles):
-        # The tiles next to the diagonal first (recent keys are usually the strongest, so tau rises
-        # early), then the rest of the window in ascending order (later ties lose: few re-entries).
-        if it < n_local:
-            tile = last - it
-        else:
-            tile = first + (it - n_local)
-        offs_n = tile * BN + tl.arange(0, BN)
-        k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
-        kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(kt, qT, input_precision="ieee")
-        else:
-            acc = tl.dot(kt, qT)
-        if RELU:
-            acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        acc = acc * wv[None, :]
-        if HP != H:
-            acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
-        sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)  # [BN, BQ] indexer scores
-        vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
-        if SCORE_ONLY:
-            score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
-        else:
-            # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above masked);
-            # inlined rather than a helper call (each helper call is slow under the interpreter)
-            bits = sc.to(tl.int32, bitcast=True)
-            bits = tl.where(bits == _I32_MIN, 0, bits)
-            mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            mono = tl.where(sc != sc, _NAN_MONO, mono)
-            if CHECK_NAN:
-                nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
-            n_idx = offs_n[:, None]
-            keep = vis & ((mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :])))
-            n_new = tl.sum(keep.to(tl.int32), axis=0)
-            if tl.max(n_new) > 0:
-                full = (cnt + n_new > CAP).to(tl.int32)
-                if tl.max(full) > 0:
-                    # Refine: raise tau of each overflowing row from its own buffer, then compact.
-                    tl.debug_barrier()
-                    for r in range(0, BQ):
-                        pick = rq == r
-                        if tl.sum(tl.where(pick, full, 0)) > 0:
-                            cnt_r = tl.sum(tl.where(pick, cnt, 0))
-                            row_ptr = buf_ptr + (b * R + blk * BQ + r).to(tl.int64) * CAP
-                            tau, _ = _select_threshold(row_ptr, cnt_r, K, SLACK, CH)
-                            kept = _compact(row_ptr, cnt_r, tau, CH)
-                            t_hi = tau >> 32
-                            t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
-                            th_mono = tl.where(pick, t_hi.to(tl.int32), th_mono)
-                            th_idx = tl.where(pick, t_idx.to(tl.int32), th_idx)
-                            cnt = tl.where(pick, kept, cnt)
-                            refines += pick.to(tl.int32)
-                    keep = vis & ((mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :])))
-                    n_new = tl.sum(keep.to(tl.int32), axis=0)
-                ki = keep.to(tl.int32)
+    # Segments of SEG tiles: before each, every row with fewer than SEG * BN free slots is refined,
+    # so the tile loop inside never overflows a buffer and stays an innermost loop (Triton only
+    # software-pipelines innermost loops; the refine's loops would otherwise block it).
+    for seg in range(0, n_tiles, SEG):
+        if not SCORE_ONLY:
+            full = (cnt > CAP - SEG * BN).to(tl.int32)
+            if tl.max(full) > 0:
+                # Refine: raise tau of each filling row from its own buffer, then compact it.
+                tl.debug_barrier()  # the tile loop's stores are visible to every thread
+                for r in range(0, BQ):
+                    pick = rq == r
+                    if tl.sum(tl.where(pick, full, 0)) > 0:
+                        cnt_r = tl.sum(tl.where(pick, cnt, 0))
+                        row_ptr = buf_ptr + (b * R + blk * BQ + r).to(tl.int64) * CAP
+                        tau, _ = _select_threshold(row_ptr, cnt_r, K, SLACK, CH)
+                        kept = _compact(row_ptr, cnt_r, tau, CH)
+                        t_hi = tau >> 32
+                        t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
+                        th_mono = tl.where(pick, t_hi.to(tl.int32), th_mono)
+                        th_idx = tl.where(pick, t_idx.to(tl.int32), th_idx)
+                        cnt = tl.where(pick, kept, cnt)
+                        refines += pick.to(tl.int32)
+        for it in range(seg, tl.minimum(seg + SEG, n_tiles)):
+            # The tiles next to the diagonal first (recent keys are usually the strongest, so tau
+            # rises early), then the rest of the window ascending (later ties lose: few re-entries).
+            if it < n_local:
+                tile = last - it
+            else:
+                tile = first + (it - n_local)
+            offs_n = tile * BN + tl.arange(0, BN)
+            k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
+            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            if KEYS_ON_M:  # acc[key, query x head]: the head sum stays inside each thread's registers
+                if IEEE:
+                    acc = tl.dot(kt, qT, input_precision="ieee")
+                else:
+                    acc = tl.dot(kt, qT)
+                if RELU:
+                    acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+                acc = acc * wv[None, :]
+                if HP != H:
+                    acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
+                sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)  # [BN, BQ] indexer scores
+            else:  # acc[query x head, key]
+                if IEEE:
+                    acc = tl.dot(qm, tl.trans(kt), input_precision="ieee")
+                else:
+                    acc = tl.dot(qm, tl.trans(kt))
+                if RELU:
+                    acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+                acc = acc * wv[:, None]
+                if HP != H:
+                    acc = tl.where(c_h[:, None] < H, acc, 0.0)
+                sc = tl.trans(tl.sum(tl.reshape(acc, (BQ, HP, BN)), axis=1))
+            vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
+            if SCORE_ONLY:
+                score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
+            else:
+                # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above
+                # masked); inlined rather than a helper (helper calls are slow in the interpreter)
+                bits = sc.to(tl.int32, bitcast=True)
+                bits = tl.where(bits == _I32_MIN, 0, bits)
+                mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                mono = tl.where(sc != sc, _NAN_MONO, mono)
+                if CHECK_NAN:
+                    nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
+                n_idx = offs_n[:, None]
+                above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
+                ki = (vis & above).to(tl.int32)
                 pos = cnt[None, :] + tl.cumsum(ki, 0) - ki
                 key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
-                tl.store(buf_rows[None, :] + pos, key, mask=keep)
-                cnt += n_new
+                tl.store(buf_rows[None, :] + pos, key, mask=ki > 0)
+                cnt += tl.sum(ki, axis=0)
 
     tl.store(cnt_ptr + b * R + r_loc, cnt, mask=row_ok)
     tl.store(refine_ptr + b * R + r_loc, refines, mask=row_ok)

@@ -92,32 +92,41 @@ def assert_same(got, ref, what=""):
     torch.testing.assert_close(gs, rs, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: scores differ: {m}")
 
 
-def assert_valid_topk(idx, scores, q, k, w, topk, *, tol, relu=True, **windows):
+def assert_valid_topk(idx, scores, q, k, w, topk, *, tol, relu=True, chunk=1024, **windows):
     """The kernel's set is an exact top-k of the (fp32) reference scores up to ``tol`` at the boundary.
 
     For continuous inputs the kernel sums in another order than the reference, so scores can differ
     in the last bits; a key may then swap with one within ``tol`` of the k-th score, nothing more.
     Checks per row: sorted ascending, -1 padded, no duplicates, visible keys only, the right count,
     min(selected) >= max(unselected visible) - tol, and returned scores within tol of the reference.
+    Works a query chunk at a time (the reference score table of a chunk is [chunk, T]).
     """
     B, S = q.shape[:2]
-    ref = reference.indexer_scores(q, k, w, relu=relu, **windows)  # [B, S, T], -inf = invisible
-    visible = torch.isfinite(ref) | torch.isnan(ref)
-    n_vis = visible.sum(-1)
-    valid = idx >= 0
-    assert torch.equal(valid.sum(-1), n_vis.clamp(max=topk)), "wrong number of selected keys"
-    assert torch.equal(valid, torch.arange(topk, device=idx.device) < valid.sum(-1, keepdim=True)), "-1 not at the end"
-    srt = torch.where(valid, idx, torch.iinfo(torch.int32).max)
-    assert bool((srt[..., 1:] > srt[..., :-1]).logical_or(~valid[..., 1:]).all()), "not strictly ascending"
-    gidx = idx.clamp_min(0).long()
-    assert bool(visible.gather(-1, gidx)[valid].all()), "selected an invisible key"
-    sel_ref = ref.gather(-1, gidx)
-    chosen = torch.zeros(visible.shape, dtype=torch.int32, device=idx.device)
-    chosen = chosen.scatter_add(-1, gidx, valid.to(torch.int32)) > 0
-    min_sel = torch.where(valid, sel_ref, torch.inf).amin(-1)
-    max_rest = torch.where(visible & ~chosen, ref, -torch.inf).amax(-1)
-    gap = (max_rest - min_sel).max()
-    assert bool(gap <= tol), f"an unselected key beats a selected one by {float(gap)} > tol {tol}"
-    err = (scores - sel_ref).abs()[valid].max() if bool(valid.any()) else torch.tensor(0.0)
-    assert bool(err <= tol), f"returned scores off by {float(err)} > tol {tol}"
-    assert bool(torch.isinf(scores[~valid]).all() and (scores[~valid] < 0).all()), "padding is not -inf"
+    T = k.shape[1]
+    start, end = reference.query_windows(B, S, T, device=q.device, **windows)
+    keys = torch.arange(T, device=q.device)
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        ref = reference.indexer_logits_block(q[:, c0:c1], k, w[:, c0:c1], relu).float()
+        visible = (keys >= start[:, c0:c1, None]) & (keys <= end[:, c0:c1, None])
+        ix, sc = idx[:, c0:c1], scores[:, c0:c1]
+        n_vis = visible.sum(-1)
+        valid = ix >= 0
+        assert torch.equal(valid.sum(-1), n_vis.clamp(max=topk)), "wrong number of selected keys"
+        first_pad = valid.sum(-1, keepdim=True)
+        assert torch.equal(valid, torch.arange(topk, device=ix.device) < first_pad), "-1 not at the end"
+        srt = torch.where(valid, ix, torch.iinfo(torch.int32).max)
+        assert bool((srt[..., 1:] > srt[..., :-1]).logical_or(~valid[..., 1:]).all()), "not strictly ascending"
+        gidx = ix.clamp_min(0).long()
+        assert bool(visible.gather(-1, gidx)[valid].all()), "selected an invisible key"
+        sel_ref = ref.gather(-1, gidx)
+        chosen = torch.zeros(visible.shape, dtype=torch.int32, device=ix.device)
+        chosen = chosen.scatter_add(-1, gidx, valid.to(torch.int32)) > 0
+        min_sel = torch.where(valid, sel_ref, torch.inf).amin(-1)
+        max_rest = torch.where(visible & ~chosen, ref, -torch.inf).amax(-1)
+        gap = (max_rest - min_sel).max()
+        assert bool(gap <= tol), f"an unselected key beats a selected one by {float(gap)} > tol {tol}"
+        if bool(valid.any()):
+            err = (sc - sel_ref).abs()[valid].max()
+            assert bool(err <= tol), f"returned scores off by {float(err)} > tol {tol}"
+        assert bool((sc[~valid] == -torch.inf).all()), "padding is not -inf"
