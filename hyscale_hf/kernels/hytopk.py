@@ -32,8 +32,8 @@ except ImportError:  # pragma: no cover
 
 # ----------------------------------------------------------------------------- Triton backend
 
-# Global scratch for the per-row candidate buffers of one launch (rows * CAP * 8 bytes). Longer
-# inputs run in query chunks that reuse it, so extra memory stays O(B*S*topk) + this.
+# Global scratch for the per-row candidate buffers of one launch (about 4 * topk int64 keys per row).
+# Longer inputs run in query chunks that reuse it, so extra memory stays O(B*S*topk) + this.
 SCRATCH_BYTES = 1 << 30
 # Largest K (= min(topk, T)) the kernel sorts in registers; larger K use the (exact) torch path.
 MAX_TRITON_TOPK = 4096
@@ -67,9 +67,8 @@ class HyTopKConfig:
     BN: int
     num_warps: int = 8
     num_stages: int = 2
-    CH: int = 1024  # chunk of buffer keys per step of the radix select / compaction
-    keys_on_m: bool = True  # matmul orientation: keys x (queries * heads), or the transpose
-    maxnreg: int | None = None  # register cap per thread (e.g. 128: two 8-warp programs per SM)
+    CH: int = 1024  # buffer keys per step of the radix select / compaction
+    maxnreg: int | None = None  # register cap per thread (more programs per SM)
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -80,9 +79,11 @@ def _pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> Hy
     hp = triton.next_power_of_2(H)
     if _interpreting(device):  # tiny tiles: the interpreter runs every op in numpy
         return HyTopKConfig(BQ=max(2, 32 // hp), BN=16, num_warps=4, num_stages=1, CH=64)
-    if dtype == torch.float32:  # ieee fp32 dot: twice the bytes per tile, no tensor-core speed anyway
+    if dtype == torch.float32:  # ieee fp32 dot (exact products): no tensor-core speed anyway
         return HyTopKConfig(BQ=max(1, 64 // hp), BN=64, num_warps=4, num_stages=2)
-    return HyTopKConfig(BQ=max(1, 128 // hp), BN=128, num_warps=8, num_stages=2)
+    # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
+    # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
+    return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
 
 
 def _hytopk_triton(
@@ -115,16 +116,18 @@ def _hytopk_triton(
     BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
     BLOCK_K = triton.next_power_of_2(K)
-    CH = min(cfg.CH, triton.next_power_of_2(BLOCK_K + BN + 1))
+    # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
+    # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
+    # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
     if cap is None:
         cap = max(4 * BLOCK_K, BLOCK_K + 4 * BN)
-    cap = triton.cdiv(max(cap, K + BN + 1), CH) * CH
-    # A segment of SEG tiles adds at most SEG * BN keys to a row, and a refine leaves at most
-    # K + slack, so refining rows with cnt > cap - SEG * BN before each segment never overflows.
-    seg = max(1, (cap - K) // (2 * BN))
-    slack = (cap - K - seg * BN) // 2
+    k_slots = triton.cdiv(K, BN)
+    SC = max(triton.cdiv(cap, BN), k_slots + 2)
+    seg = max(1, (SC - k_slots) // 3)
+    slack = max(0, ((SC - seg) * BN - K) // 2)
+    OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
     if chunk_rows is None:
-        chunk_rows = max(BQ, SCRATCH_BYTES // (8 * cap * B) // BQ * BQ)
+        chunk_rows = max(BQ, SCRATCH_BYTES // ((8 * SC + 4) * BN * B) // BQ * BQ)
     R = min(S, chunk_rows)
 
     start, _ = reference.query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
@@ -133,8 +136,8 @@ def _hytopk_triton(
     k = k.contiguous()
     w = w.to(torch.float32).contiguous()
     dev = q.device
-    buf = torch.empty(B, R, cap, dtype=torch.int64, device=dev)
-    cnt = torch.empty(B, R, dtype=torch.int32, device=dev)
+    buf = torch.empty(B, R, SC * BN, dtype=torch.int64, device=dev)
+    cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
     refine = torch.empty(B, R, dtype=torch.int32, device=dev)
     nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
     dbg = torch.empty(B, S, dtype=torch.float32, device=dev) if score_only else cnt
@@ -153,11 +156,11 @@ def _hytopk_triton(
         rc = min(R, S - i0)
         _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
             q, k, w, start, buf, cnt, refine, nan_rows, dbg[:, i0:] if score_only else dbg,
-            S, T, i0, rc, K, slack, cap // BN,
+            S, T, i0, rc, K, slack, SC - seg,
             *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, CAP=cap, CH=CH, SEG=seg,
+            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg, OB=OB,
             RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
-            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, KEYS_ON_M=cfg.keys_on_m,
+            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only,
             **launch,
         )  # fmt: skip
         if score_only or scan_only:
@@ -165,7 +168,7 @@ def _hytopk_triton(
         _kernels._hytopk_finalize_kernel[(rc, B)](
             buf, cnt, indices, scores, i0, rc, K, K,
             indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
-            CAP=cap, CH=CH, BLOCK_K=BLOCK_K, WRITE_SCORES=return_scores,
+            NS=BN, SC=SC, OB=OB, BLOCK_K=BLOCK_K, WRITE_SCORES=return_scores,
             **({} if interp else {"num_warps": 4}),
         )  # fmt: skip
         counters = _STATS_DEVICE.setdefault(dev, torch.zeros(2, dtype=torch.int64, device=dev))

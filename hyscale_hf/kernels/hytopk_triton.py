@@ -9,11 +9,18 @@ sentinel). Keys are unique, so "the K largest keys" is one exact set.
 on M as in DeepGEMM's mqa logits, so the head sum runs in each thread's accumulator registers). It
 walks its rows' key window tile by tile: dot -> ReLU -> * w -> sum over heads -> causal mask ->
 keys, all in registers. Each row keeps a threshold key ``tau`` that only rises and appends keys
->= tau to its own buffer of CAP slots in global scratch. A row whose buffer would overflow is
-refined in place: ``_select_threshold`` finds a new tau with K <= #{keys >= tau} <= K + SLACK by a
-radix select over the buffer (exact: K keys >= tau exist, so no key below tau can be in the top K),
-and ``_compact`` drops the keys below it. Nothing is ever truncated.
+>= tau to its own buffer in global scratch.
 
+Buffer layout ("slots"): key offset j of a BN-key tile always appends to slot j of the row, whose
+o-th entry lives at ``o * BN + j``, so the append needs only the per-(slot, row) fill counters held
+in registers: no prefix sum, no barrier in the tile loop. A tile adds at most one key per slot, so
+a segment of SEG tiles adds at most SEG; before each segment, every row with a slot fuller than
+SC - SEG (SC = slot capacity) is refined in place: ``_select_threshold`` finds a new tau with
+K <= #{keys >= tau} <= K + SLACK by a radix select over the buffer (exact: K keys >= tau exist,
+so no key below tau can be in the top K) and ``_compact`` moves the survivors to the front. n
+contiguous survivors are exactly a balanced slot layout (slot j holds ceil((n - j) / BN)), and
+K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores: nothing
+is truncated and no luck is involved. The tile loop stays innermost, so Triton pipelines it.
 ``_hytopk_finalize_kernel``: one program per row selects the exact K-th key (SLACK = 0), compacts,
 sorts the survivors by index and writes int32 indices (+ fp32 scores), -1 / -inf padded.
 """
@@ -31,26 +38,35 @@ _NAN_MONO = tl.constexpr(-(2**31) + 1)  # reference._NAN_KEY: below -inf, above 
 
 
 @triton.jit
-def _select_threshold(row_ptr, cnt, K, SLACK, CH: tl.constexpr):
-    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``cnt > K`` unique keys at ``row_ptr``.
+def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr):
+    """Entries ``ob + [0, OB)`` of every slot: keys [OB, NS] and which of them are filled."""
+    o = ob + tl.arange(0, OB)
+    j = tl.arange(0, NS)
+    m = o[:, None] < slots[None, :]
+    x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".cg")
+    return x, m
+
+
+@triton.jit
+def _select_threshold(row_ptr, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
+    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a row.
 
     Radix select that adapts its digit to the live range: each level histograms the keys inside
     [lo, hi] into <= 256 buckets of width 2**s (s the smallest shift that fits the range), keeps the
     bucket holding the K-th largest key and stops as soon as its lower edge is tight enough. With
     SLACK = 0 the result is the exact K-th largest key. Returns (tau, #{x >= tau}).
     """
-    offs = tl.arange(0, CH)
     bins = tl.arange(0, 256)
+    depth = tl.max(slots)
     lo = tl.full([], _I64_MAX, tl.int64)
     hi = tl.full([], _I64_MIN, tl.int64)
-    for c in range(0, cnt, CH):
-        m = c + offs < cnt
-        x = tl.load(row_ptr + c + offs, mask=m, other=0, cache_modifier=".cg")
+    for ob in range(0, depth, OB):
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
         lo = tl.minimum(lo, tl.min(tl.where(m, x, _I64_MAX)))
         hi = tl.maximum(hi, tl.max(tl.where(m, x, _I64_MIN)))
     above = tl.zeros([], tl.int32)  # keys > hi
     tau = lo
-    ge = cnt
+    ge = tl.sum(slots)
     done = 0
     while done == 0:
         # Bucket width 2**s with (hi >> s) - (lo >> s) < 256: s = floor(log2(r)) - 5 for
@@ -61,11 +77,10 @@ def _select_threshold(row_ptr, cnt, K, SLACK, CH: tl.constexpr):
         s = tl.maximum(e - 5, 0)
         base = lo >> s
         hist = tl.zeros([256], tl.int32)
-        for c in range(0, cnt, CH):
-            m = c + offs < cnt
-            x = tl.load(row_ptr + c + offs, mask=m, other=0, cache_modifier=".cg")
+        for ob in range(0, depth, OB):
+            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
             inside = m & (x >= lo) & (x <= hi)
-            digit = tl.where(inside, (x >> s) - base, 0).to(tl.int32)
+            digit = tl.reshape(tl.where(inside, (x >> s) - base, 0).to(tl.int32), [OB * NS])
             outside = tl.sum((~inside).to(tl.int32))
             hist += tl.histogram(digit, 256) - tl.where(bins == 0, outside, 0)
         # suffix[j] = keys inside [lo, hi] in buckets >= j
@@ -88,21 +103,29 @@ def _select_threshold(row_ptr, cnt, K, SLACK, CH: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, cnt, tau, CH: tl.constexpr):
-    """Keep the keys >= tau of ``row_ptr[0:cnt]`` at the front, in place; returns how many."""
-    offs = tl.arange(0, CH)
+def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
+    """Move a row's keys >= tau to the front (``row_ptr[0:kept]``), in place; returns ``kept``.
+
+    Entries are visited in address order and each goes to an address <= its own, so a block is
+    read by every thread before any thread overwrites part of it (the barrier), and never later.
+    """
+    depth = tl.max(slots)
     kept = tl.zeros([], tl.int32)
-    for c in range(0, cnt, CH):
-        m = c + offs < cnt
-        x = tl.load(row_ptr + c + offs, mask=m, other=0, cache_modifier=".cg")
-        keep = (m & (x >= tau)).to(tl.int32)
+    for ob in range(0, depth, OB):
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        keep = tl.reshape((m & (x >= tau)).to(tl.int32), [OB * NS])
         pos = kept + tl.cumsum(keep, 0) - keep
-        # Every thread has read this chunk before any thread overwrites a slot of it (pos <= c + offs).
         tl.debug_barrier()
-        tl.store(row_ptr + pos, x, mask=keep > 0)
+        tl.store(row_ptr + pos, tl.reshape(x, [OB * NS]), mask=keep > 0)
         kept += tl.sum(keep)
     tl.debug_barrier()
     return kept
+
+
+@triton.jit
+def _balanced_slots(n, NS: tl.constexpr):
+    """Slot fill counts of n keys stored contiguously: slot j holds entries j, j + NS, ... < n."""
+    return (n - tl.arange(0, NS) + NS - 1) // NS
 
 
 @triton.jit
@@ -111,16 +134,18 @@ def _hytopk_scan_kernel(
     S, T, I0, R, K, SLACK, LOCAL_TILES,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    BQ: tl.constexpr, BN: tl.constexpr, CAP: tl.constexpr, CH: tl.constexpr,
-    SEG: tl.constexpr, RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, SCORE_ONLY: tl.constexpr, KEYS_ON_M: tl.constexpr,
+    BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr, OB: tl.constexpr,
+    RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SCORE_ONLY: tl.constexpr,
 ):  # fmt: skip
     """Scores key tiles of BQ query rows (queries I0 + [0, R) of batch program_id(1)) and keeps
-    every key that can still be in a row's top K in the row's buffer ``buf[b, r, 0:cnt]``."""
+    every key that can still be in a row's top K in the row's slotted buffer ``buf[b, r]``
+    (SC * BN keys); the slot fill counts go to ``cnt[b, r, 0:BN]``."""
     b = tl.program_id(1)
     n_blocks = tl.cdiv(R, BQ)
     blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
     rq = tl.arange(0, BQ)
+    jj = tl.arange(0, BN)
     r_loc = blk * BQ + rq
     row_ok = r_loc < R
     qi = I0 + r_loc
@@ -142,13 +167,12 @@ def _hytopk_scan_kernel(
     wv = tl.load(w_rows, mask=c_ok, other=0.0)
     if UPCAST:
         qT = qT.to(tl.float32)
-    if not KEYS_ON_M:
-        qm = tl.trans(qT)  # [BQ * HP, DP]: queries x heads on the matmul M side
 
-    buf_rows = buf_ptr + (b * R + r_loc).to(tl.int64) * CAP  # [BQ] row buffers
+    row_base = (b * R + r_loc).to(tl.int64)
+    buf_rows = buf_ptr + row_base * (SC * BN)  # [BQ] row buffers
     th_mono = tl.full([BQ], _I32_MIN, tl.int32)  # tau of each row as (mono, largest index that ties)
     th_idx = tl.full([BQ], _I32_MAX, tl.int32)
-    cnt = tl.zeros([BQ], tl.int32)
+    fill = tl.zeros([BN, BQ], tl.int32)  # fill[j, r]: keys in slot j of row r
     refines = tl.zeros([BQ], tl.int32)
     nan_seen = tl.zeros([BQ], tl.int32)
     score_sum = tl.zeros([BQ], tl.float32)
@@ -157,27 +181,28 @@ def _hytopk_scan_kernel(
     last = hi // BN
     n_tiles = tl.where(hi >= lo, last - first + 1, 0)
     n_local = tl.minimum(n_tiles, LOCAL_TILES)
-    # Segments of SEG tiles: before each, every row with fewer than SEG * BN free slots is refined,
-    # so the tile loop inside never overflows a buffer and stays an innermost loop (Triton only
+    # Segments of SEG tiles. Before each, refine every row with a slot fuller than SC - SEG, so the
+    # tile loop inside never overflows a slot and stays an innermost loop (Triton only
     # software-pipelines innermost loops; the refine's loops would otherwise block it).
     for seg in range(0, n_tiles, SEG):
         if not SCORE_ONLY:
-            full = (cnt > CAP - SEG * BN).to(tl.int32)
+            full = (tl.max(fill, axis=0) > SC - SEG).to(tl.int32)
             if tl.max(full) > 0:
-                # Refine: raise tau of each filling row from its own buffer, then compact it.
                 tl.debug_barrier()  # the tile loop's stores are visible to every thread
                 for r in range(0, BQ):
                     pick = rq == r
                     if tl.sum(tl.where(pick, full, 0)) > 0:
-                        cnt_r = tl.sum(tl.where(pick, cnt, 0))
-                        row_ptr = buf_ptr + (b * R + blk * BQ + r).to(tl.int64) * CAP
-                        tau, _ = _select_threshold(row_ptr, cnt_r, K, SLACK, CH)
-                        kept = _compact(row_ptr, cnt_r, tau, CH)
+                        slots = tl.sum(tl.where(pick[None, :], fill, 0), axis=1)
+                        row_ptr = buf_ptr + (b * R + blk * BQ + r).to(tl.int64) * (SC * BN)
+                        tau = tl.full([], _I64_MIN, tl.int64)  # n <= K: keep all, only rebalance
+                        if tl.sum(slots) > K:
+                            tau, _ = _select_threshold(row_ptr, slots, K, SLACK, BN, OB)
+                        kept = _compact(row_ptr, slots, tau, BN, OB)
                         t_hi = tau >> 32
                         t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
                         th_mono = tl.where(pick, t_hi.to(tl.int32), th_mono)
                         th_idx = tl.where(pick, t_idx.to(tl.int32), th_idx)
-                        cnt = tl.where(pick, kept, cnt)
+                        fill = tl.where(pick[None, :], _balanced_slots(kept, BN)[:, None], fill)
                         refines += pick.to(tl.int32)
         for it in range(seg, tl.minimum(seg + SEG, n_tiles)):
             # The tiles next to the diagonal first (recent keys are usually the strongest, so tau
@@ -186,33 +211,22 @@ def _hytopk_scan_kernel(
                 tile = last - it
             else:
                 tile = first + (it - n_local)
-            offs_n = tile * BN + tl.arange(0, BN)
+            offs_n = tile * BN + jj
             k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
             kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
             if UPCAST:
                 kt = kt.to(tl.float32)
-            if KEYS_ON_M:  # acc[key, query x head]: the head sum stays inside each thread's registers
-                if IEEE:
-                    acc = tl.dot(kt, qT, input_precision="ieee")
-                else:
-                    acc = tl.dot(kt, qT)
-                if RELU:
-                    acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-                acc = acc * wv[None, :]
-                if HP != H:
-                    acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
-                sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)  # [BN, BQ] indexer scores
-            else:  # acc[query x head, key]
-                if IEEE:
-                    acc = tl.dot(qm, tl.trans(kt), input_precision="ieee")
-                else:
-                    acc = tl.dot(qm, tl.trans(kt))
-                if RELU:
-                    acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-                acc = acc * wv[:, None]
-                if HP != H:
-                    acc = tl.where(c_h[:, None] < H, acc, 0.0)
-                sc = tl.trans(tl.sum(tl.reshape(acc, (BQ, HP, BN)), axis=1))
+            # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
+            if IEEE:
+                acc = tl.dot(kt, qT, input_precision="ieee")
+            else:
+                acc = tl.dot(kt, qT)
+            if RELU:
+                acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            acc = acc * wv[None, :]
+            if HP != H:
+                acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
+            sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)  # [BN, BQ] indexer scores
             vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
             if SCORE_ONLY:
                 score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
@@ -227,13 +241,12 @@ def _hytopk_scan_kernel(
                     nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
                 n_idx = offs_n[:, None]
                 above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
-                ki = (vis & above).to(tl.int32)
-                pos = cnt[None, :] + tl.cumsum(ki, 0) - ki
+                keep = vis & above
                 key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
-                tl.store(buf_rows[None, :] + pos, key, mask=ki > 0)
-                cnt += tl.sum(ki, axis=0)
+                tl.store(buf_rows[None, :] + fill * BN + jj[:, None], key, mask=keep)
+                fill += keep.to(tl.int32)
 
-    tl.store(cnt_ptr + b * R + r_loc, cnt, mask=row_ok)
+    tl.store(cnt_ptr + row_base[None, :] * BN + jj[:, None], fill, mask=row_ok[None, :])
     tl.store(refine_ptr + b * R + r_loc, refines, mask=row_ok)
     if CHECK_NAN:
         tl.store(nan_ptr + b * R + r_loc, nan_seen, mask=row_ok)
@@ -245,17 +258,18 @@ def _hytopk_scan_kernel(
 def _hytopk_finalize_kernel(
     buf_ptr, cnt_ptr, idx_ptr, score_ptr,
     I0, R, K, KOUT, s_ib, s_is, s_ob, s_os,
-    CAP: tl.constexpr, CH: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SCORES: tl.constexpr,
 ):  # fmt: skip
     """Exact top K of one row's buffer, sorted by key index: int32 indices (+ fp32 scores)."""
     r = tl.program_id(0)
     b = tl.program_id(1)
-    row_ptr = buf_ptr + (b * R + r).to(tl.int64) * CAP
-    cnt = tl.load(cnt_ptr + b * R + r)
-    kept = cnt
-    if cnt > K:
-        tau, _ = _select_threshold(row_ptr, cnt, K, 0, CH)
-        kept = _compact(row_ptr, cnt, tau, CH)
+    row = (b * R + r).to(tl.int64)
+    row_ptr = buf_ptr + row * (SC * NS)
+    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+    tau = tl.full([], _I64_MIN, tl.int64)
+    if tl.sum(slots) > K:
+        tau, _ = _select_threshold(row_ptr, slots, K, 0, NS, OB)
+    kept = _compact(row_ptr, slots, tau, NS, OB)  # the top K (or all), contiguous
     offs = tl.arange(0, BLOCK_K)
     valid = offs < kept
     x = tl.load(row_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
