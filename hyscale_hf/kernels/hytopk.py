@@ -1,8 +1,8 @@
 """HyTopK: score every visible key with the lightning indexer and keep each query's exact top-k.
 
-Layout (DESIGN section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long); here
-are the host launch, the custom op and the public function. The custom op
-``torch.ops.hyscale.hytopk`` is what selective checkpointing sees (selection replay).
+Layout (DESIGN section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long; the
+algorithm is described there); here are the host launch, the custom op and the public function.
+The custom op ``torch.ops.hyscale.hytopk`` is what selective checkpointing sees (selection replay).
 """
 
 from __future__ import annotations
@@ -262,13 +262,20 @@ def hytopk(
         window_start: optional integer ``[B]`` or ``[B, S]``: first visible key per row/query.
         relu: apply ReLU to each head's logit (family-specific; default on).
         return_scores: also return the fp32 scores of the selected keys.
-        check_nan: raise ``ValueError`` if a visible key scores NaN.
-        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``).
+        check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
+            kernel never writes the score table: extra memory is the outputs plus a candidate
+            scratch of about ``SCRATCH_BYTES`` (1 GiB), reused over query chunks. It computes in
+            fp32 from bf16/fp16/fp32 inputs (fp32 dot products in IEEE mode) and is deterministic;
+            fp64 inputs and ``min(topk, T) > 4096`` take the torch path (same exact contract).
+            ``hytopk_stats()`` counts the rows whose candidate buffer was refined.
 
     Returns:
         ``indices`` int32 ``[B, S, topk]``: selected key indices sorted ascending, ``-1`` padded;
         with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
-        (``-inf`` in padded slots).
+        (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
+        continuous inputs the Triton scores can differ from the reference's in the last bits
+        because the head sum runs in another order).
     """
     check_tensor("q", q, 4, "[B, S, H, D]")
     B, S, H, D = q.shape

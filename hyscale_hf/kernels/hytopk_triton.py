@@ -13,7 +13,8 @@ keys, all in registers. Each row keeps a threshold key ``tau`` that only rises a
 
 Buffer layout ("slots"): key offset j of a BN-key tile always appends to slot j of the row, whose
 o-th entry lives at ``o * BN + j``, so the append needs only the per-(slot, row) fill counters held
-in registers: no prefix sum, no barrier in the tile loop. A tile adds at most one key per slot, so
+in registers (no prefix sum across threads; on an H200 the earlier prefix-sum append cost as much as
+the scoring itself). A tile adds at most one key per slot, so
 a segment of SEG tiles adds at most SEG; before each segment, every row with a slot fuller than
 SC - SEG (SC = slot capacity) is refined in place: ``_select_threshold`` finds a new tau with
 K <= #{keys >= tau} <= K + SLACK by a radix select over the buffer (exact: K keys >= tau exist,
@@ -21,6 +22,7 @@ so no key below tau can be in the top K) and ``_compact`` moves the survivors to
 contiguous survivors are exactly a balanced slot layout (slot j holds ceil((n - j) / BN)), and
 K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores: nothing
 is truncated and no luck is involved. The tile loop stays innermost, so Triton pipelines it.
+
 ``_hytopk_finalize_kernel``: one program per row selects the exact K-th key (SLACK = 0), compacts,
 sorts the survivors by index and writes int32 indices (+ fp32 scores), -1 / -inf padded.
 """
