@@ -125,3 +125,11 @@ def test_public_api_determinism_and_return_scores():
     idx, scores = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "triton", False)
     assert torch.equal(idx, a[0]) and scores.shape == (1, 24, 0)
     assert_same(a, reference.hytopk_reference(q, k, w, 6), "public api")
+
+
+@pytest.mark.parametrize("backend,return_scores", [("triton", False), ("torch", True)])
+def test_custom_op_schema_and_fake(backend, return_scores):
+    """The dispatcher-visible op (selection replay, torch.compile) is consistent with its fake."""
+    q, k, w = int_inputs(1, 12, 12, 4, 16, device=DEV, seed=12)
+    args = (q, k, w, 5, None, None, True, False, backend, return_scores)
+    torch.library.opcheck(torch.ops.hyscale.hytopk.default, args)
