@@ -5,8 +5,8 @@ exists and the torch reference otherwise; ``"torch"`` forces the reference; ``"t
 kernel (on CPU tensors it needs ``TRITON_INTERPRET=1`` set before import: Triton's interpreter).
 """
 
-from .hytopk import hytopk
+from .hytopk import hytopk, hytopk_stats, reset_hytopk_stats
 from .indexer_loss import indexer_kl_loss
 from .sparse_attention import sparse_attention
 
-__all__ = ["hytopk", "sparse_attention", "indexer_kl_loss"]
+__all__ = ["hytopk", "hytopk_stats", "reset_hytopk_stats", "sparse_attention", "indexer_kl_loss"]

@@ -1,10 +1,14 @@
 """HyTopK: score every visible key with the lightning indexer and keep each query's exact top-k.
 
-Layout (DESIGN section 3): Triton kernels, host launch functions, the custom op, the public function.
+Layout (DESIGN section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long; the
+algorithm is described there); here are the host launch, the custom op and the public function.
 The custom op ``torch.ops.hyscale.hytopk`` is what selective checkpointing sees (selection replay).
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -18,9 +22,169 @@ from ._checks import (
     resolve_backend,
 )
 
+try:  # Triton is optional (CPU-only installs on other platforms); the torch path always works.
+    import triton
+
+    from . import hytopk_triton as _kernels
+except ImportError:  # pragma: no cover
+    triton = None
+    _kernels = None
+
 # ----------------------------------------------------------------------------- Triton backend
 
-_TRITON_KERNEL = None  # set to the host launch function once the Triton kernel is available
+# Global scratch for the per-row candidate buffers of one launch (about 4 * topk int64 keys per row).
+# Longer inputs run in query chunks that reuse it, so extra memory stays O(B*S*topk) + this.
+SCRATCH_BYTES = 1 << 30
+# Largest K (= min(topk, T)) the kernel sorts in registers; larger K use the (exact) torch path.
+MAX_TRITON_TOPK = 4096
+
+_STATS: dict = {"calls": 0, "rows": 0}
+_STATS_DEVICE: dict = {}  # device -> int64 [2]: rows refined, refinements (added without a sync)
+
+
+def hytopk_stats() -> dict:
+    """Counters of the Triton HyTopK since the last ``reset_hytopk_stats()`` (synchronises).
+
+    ``rows``: query rows processed; ``rows_refined``: rows whose candidate buffer filled up and was
+    refined in place (a new exact threshold from a radix select over the buffer, then compaction:
+    repaired, never truncated); ``refines``: total refinements.
+    """
+    refined = sum(int(t[0]) for t in _STATS_DEVICE.values())
+    refines = sum(int(t[1]) for t in _STATS_DEVICE.values())
+    return {"calls": _STATS["calls"], "rows": _STATS["rows"], "rows_refined": refined, "refines": refines}
+
+
+def reset_hytopk_stats() -> None:
+    _STATS.update(calls=0, rows=0)
+    _STATS_DEVICE.clear()
+
+
+@dataclass(frozen=True)
+class HyTopKConfig:
+    """Tile shape of the scan kernel: BQ query rows x all heads (matmul N) by BN keys (matmul M)."""
+
+    BQ: int
+    BN: int
+    num_warps: int = 8
+    num_stages: int = 2
+    CH: int = 1024  # buffer keys per step of the radix select / compaction
+    maxnreg: int | None = None  # register cap per thread (more programs per SM)
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> HyTopKConfig:
+    hp = triton.next_power_of_2(H)
+    if _interpreting(device):  # tiny tiles: the interpreter runs every op in numpy
+        return HyTopKConfig(BQ=max(2, 32 // hp), BN=16, num_warps=4, num_stages=1, CH=64)
+    if dtype == torch.float32:  # ieee fp32 dot (exact products): no tensor-core speed anyway
+        return HyTopKConfig(BQ=max(1, 64 // hp), BN=64, num_warps=4, num_stages=2)
+    # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
+    # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
+    return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+
+
+def _hytopk_triton(
+    q, k, w, topk, *, cu_seqlens=None, window_start=None, relu=True, check_nan=False, return_scores=True,
+    config: HyTopKConfig | None = None, cap: int | None = None, chunk_rows: int | None = None,
+    score_only: bool = False, scan_only: bool = False,
+):  # fmt: skip
+    """Host launch of the Triton HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
+
+    ``scores`` is ``[B, S, 0]`` when ``return_scores`` is False. ``config``/``cap``/``chunk_rows``
+    override the tiling, the per-row candidate buffer (slots) and the rows per launch (tests use
+    tiny buffers to force many refinements). ``score_only`` (benchmarks) runs only the scoring part
+    and returns the per-row sums of visible scores; ``scan_only`` (benchmarks) stops before the
+    final per-row selection and returns the buffer fill counts of the last chunk.
+    """
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    K = min(topk, T)
+    if torch.float64 in (q.dtype, k.dtype, w.dtype) or K > MAX_TRITON_TOPK:
+        # fp64 or a K beyond the in-register sort: the torch path gives the same exact answer.
+        idx, sc = reference.hytopk_reference(
+            q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
+        )
+        return idx, (sc if return_scores else sc[..., :0])
+    if q.dtype != k.dtype:  # mixed half types: fp32 holds both exactly
+        q, k = q.float(), k.float()
+    cfg = config or _pick_config(H, D, q.dtype, q.device)
+    interp = _interpreting(q.device)
+    HP, DP = triton.next_power_of_2(H), max(16, triton.next_power_of_2(D))
+    BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
+    BN = cfg.BN
+    BLOCK_K = triton.next_power_of_2(K)
+    # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
+    # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
+    # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
+    if cap is None:
+        cap = max(4 * BLOCK_K, BLOCK_K + 4 * BN)
+    k_slots = triton.cdiv(K, BN)
+    SC = max(triton.cdiv(cap, BN), k_slots + 2)
+    seg = max(1, (SC - k_slots) // 3)
+    slack = max(0, ((SC - seg) * BN - K) // 2)
+    OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
+    if chunk_rows is None:
+        chunk_rows = max(BQ, SCRATCH_BYTES // ((8 * SC + 4) * BN * B) // BQ * BQ)
+    R = min(S, chunk_rows)
+
+    start, _ = reference.query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
+    start = start.clamp(0, T).to(torch.int32)
+    q = q.contiguous()
+    k = k.contiguous()
+    w = w.to(torch.float32).contiguous()
+    dev = q.device
+    buf = torch.empty(B, R, SC * BN, dtype=torch.int64, device=dev)
+    cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
+    refine = torch.empty(B, R, dtype=torch.int32, device=dev)
+    nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
+    dbg = torch.empty(B, S, dtype=torch.float32, device=dev) if score_only else cnt
+    n_out = topk if return_scores else 0
+    if topk > K:  # columns no row can fill
+        indices = torch.full((B, S, topk), -1, dtype=torch.int32, device=dev)
+        scores = torch.full((B, S, n_out), float("-inf"), dtype=torch.float32, device=dev)
+    else:
+        indices = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
+        scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
+    nan_any = torch.zeros((), dtype=torch.bool, device=dev)
+    launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg and not interp:
+        launch["maxnreg"] = cfg.maxnreg
+    for i0 in range(0, S, R):
+        rc = min(R, S - i0)
+        _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
+            q, k, w, start, buf, cnt, refine, nan_rows, dbg[:, i0:] if score_only else dbg,
+            S, T, i0, rc, K, slack, SC - seg,
+            *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg, OB=OB,
+            RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
+            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only,
+            **launch,
+        )  # fmt: skip
+        if score_only or scan_only:
+            continue
+        _kernels._hytopk_finalize_kernel[(rc, B)](
+            buf, cnt, indices, scores, i0, rc, K, K,
+            indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
+            NS=BN, SC=SC, OB=OB, BLOCK_K=BLOCK_K, WRITE_SCORES=return_scores,
+            **({} if interp else {"num_warps": 4}),
+        )  # fmt: skip
+        counters = _STATS_DEVICE.setdefault(dev, torch.zeros(2, dtype=torch.int64, device=dev))
+        counters += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
+        if check_nan:
+            nan_any |= nan_rows[:, :rc].any()
+    if score_only or scan_only:
+        return dbg if score_only else cnt
+    _STATS["calls"] += 1
+    _STATS["rows"] += B * S
+    if check_nan and bool(nan_any):
+        raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
+    return indices, scores
+
+
+_TRITON_KERNEL = _hytopk_triton if _kernels is not None else None
 
 
 # ----------------------------------------------------------------------------- custom op
@@ -37,22 +201,30 @@ def hytopk_op(
     relu: bool,
     check_nan: bool,
     backend: str,
+    return_scores: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher-visible HyTopK: returns (indices int32 [B, S, topk], scores fp32 [B, S, topk])."""
+    """Dispatcher-visible HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
+
+    With ``return_scores=False`` the scores are ``[B, S, 0]`` (the Triton path then never writes
+    them: at 1M tokens and topk 2048 they would be another 8 GiB).
+    """
     _selection_counts.record_selection_run()  # replayed selections never get here (selection_stats)
     if backend == "triton":
         return _TRITON_KERNEL(
-            q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
-        )
-    return reference.hytopk_reference(
+            q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan,
+            return_scores=return_scores,
+        )  # fmt: skip
+    indices, scores = reference.hytopk_reference(
         q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
     )
+    return indices, (scores if return_scores else scores[..., :0].clone())
 
 
 @hytopk_op.register_fake
-def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend):
+def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend, return_scores=True):
     B, S = q.shape[:2]
-    return q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, topk, dtype=torch.float32)
+    n_scores = topk if return_scores else 0
+    return q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, n_scores, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- public function
@@ -91,13 +263,20 @@ def hytopk(
         window_start: optional integer ``[B]`` or ``[B, S]``: first visible key per row/query.
         relu: apply ReLU to each head's logit (family-specific; default on).
         return_scores: also return the fp32 scores of the selected keys.
-        check_nan: raise ``ValueError`` if a visible key scores NaN.
-        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``).
+        check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
+            kernel never writes the score table: extra memory is the outputs plus a candidate
+            scratch of about ``SCRATCH_BYTES`` (1 GiB), reused over query chunks. It computes in
+            fp32 from bf16/fp16/fp32 inputs (fp32 dot products in IEEE mode) and is deterministic;
+            fp64 inputs and ``min(topk, T) > 4096`` take the torch path (same exact contract).
+            ``hytopk_stats()`` counts the rows whose candidate buffer was refined.
 
     Returns:
         ``indices`` int32 ``[B, S, topk]``: selected key indices sorted ascending, ``-1`` padded;
         with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
-        (``-inf`` in padded slots).
+        (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
+        continuous inputs the Triton scores can differ from the reference's in the last bits
+        because the head sum runs in another order).
     """
     check_tensor("q", q, 4, "[B, S, H, D]")
     B, S, H, D = q.shape
@@ -120,5 +299,5 @@ def hytopk(
         if tuple(window_start.shape) not in ((B,), (B, S)):
             raise ValueError(f"window_start must have shape [B={B}] or [B={B}, S={S}], got {tuple(window_start.shape)}")
     chosen = resolve_backend(backend, q.device, _TRITON_KERNEL is not None)
-    indices, scores = hytopk_op(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen)
+    indices, scores = hytopk_op(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen, return_scores)
     return (indices, scores) if return_scores else indices

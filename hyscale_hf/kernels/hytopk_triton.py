@@ -1,0 +1,292 @@
+"""Triton kernels of HyTopK (host launch, custom op and public function: ``hytopk.py``).
+
+Exact streaming top-k without a score table. Every candidate is an int64 *key* that orders like the
+tie rule (``reference.score_sort_keys``): ``mono(score) << 32 | (2**32 - 1 - index)``, where ``mono``
+is an order-preserving int32 image of the fp32 score (-0.0 -> +0.0, NaN just above the masked
+sentinel). Keys are unique, so "the K largest keys" is one exact set.
+
+``_hytopk_scan_kernel``: a program owns BQ query rows and all their heads (matmul N = BQ * H, keys
+on M as in DeepGEMM's mqa logits, so the head sum runs in each thread's accumulator registers). It
+walks its rows' key window tile by tile: dot -> ReLU -> * w -> sum over heads -> causal mask ->
+keys, all in registers. Each row keeps a threshold key ``tau`` that only rises and appends keys
+>= tau to its own buffer in global scratch.
+
+Buffer layout ("slots"): key offset j of a BN-key tile always appends to slot j of the row, whose
+o-th entry lives at ``o * BN + j``, so the append needs only the per-(slot, row) fill counters held
+in registers (no prefix sum across threads; on an H200 the earlier prefix-sum append cost as much as
+the scoring itself). A tile adds at most one key per slot, so
+a segment of SEG tiles adds at most SEG; before each segment, every row with a slot fuller than
+SC - SEG (SC = slot capacity) is refined in place: ``_select_threshold`` finds a new tau with
+K <= #{keys >= tau} <= K + SLACK by a radix select over the buffer (exact: K keys >= tau exist,
+so no key below tau can be in the top K) and ``_compact`` moves the survivors to the front. n
+contiguous survivors are exactly a balanced slot layout (slot j holds ceil((n - j) / BN)), and
+K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores: nothing
+is truncated and no luck is involved. The tile loop stays innermost, so Triton pipelines it.
+
+``_hytopk_finalize_kernel``: one program per row selects the exact K-th key (SLACK = 0), compacts,
+sorts the survivors by index and writes int32 indices (+ fp32 scores), -1 / -inf padded.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_I32_MIN = tl.constexpr(-(2**31))
+_I32_MAX = tl.constexpr(2**31 - 1)
+_I64_MIN = tl.constexpr(-(2**63))
+_I64_MAX = tl.constexpr(2**63 - 1)
+_NAN_MONO = tl.constexpr(-(2**31) + 1)  # reference._NAN_KEY: below -inf, above masked keys
+
+
+@triton.jit
+def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr):
+    """Entries ``ob + [0, OB)`` of every slot: keys [OB, NS] and which of them are filled."""
+    o = ob + tl.arange(0, OB)
+    j = tl.arange(0, NS)
+    m = o[:, None] < slots[None, :]
+    x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".cg")
+    return x, m
+
+
+@triton.jit
+def _select_threshold(row_ptr, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
+    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a row.
+
+    Radix select that adapts its digit to the live range: each level histograms the keys inside
+    [lo, hi] into <= 256 buckets of width 2**s (s the smallest shift that fits the range), keeps the
+    bucket holding the K-th largest key and stops as soon as its lower edge is tight enough. With
+    SLACK = 0 the result is the exact K-th largest key. Returns (tau, #{x >= tau}).
+    """
+    bins = tl.arange(0, 256)
+    depth = tl.max(slots)
+    lo = tl.full([], _I64_MAX, tl.int64)
+    hi = tl.full([], _I64_MIN, tl.int64)
+    for ob in range(0, depth, OB):
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        lo = tl.minimum(lo, tl.min(tl.where(m, x, _I64_MAX)))
+        hi = tl.maximum(hi, tl.max(tl.where(m, x, _I64_MIN)))
+    above = tl.zeros([], tl.int32)  # keys > hi
+    tau = lo
+    ge = tl.sum(slots)
+    done = 0
+    while done == 0:
+        # Bucket width 2**s with (hi >> s) - (lo >> s) < 256: s = floor(log2(r)) - 5 for
+        # r = (hi >> 1) - (lo >> 1) (halved so hi - lo cannot overflow int64), read off r's float
+        # exponent (a rounding up of r only makes s larger, which still fits).
+        r = ((hi >> 1) - (lo >> 1)).to(tl.float64)
+        e = (r.to(tl.int64, bitcast=True) >> 52) - 1023
+        s = tl.maximum(e - 5, 0)
+        base = lo >> s
+        hist = tl.zeros([256], tl.int32)
+        for ob in range(0, depth, OB):
+            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+            inside = m & (x >= lo) & (x <= hi)
+            digit = tl.reshape(tl.where(inside, (x >> s) - base, 0).to(tl.int32), [OB * NS])
+            outside = tl.sum((~inside).to(tl.int32))
+            hist += tl.histogram(digit, 256) - tl.where(bins == 0, outside, 0)
+        # suffix[j] = keys inside [lo, hi] in buckets >= j
+        suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        need = K - above
+        b = tl.max(tl.where(suffix >= need, bins, -1))
+        suffix_b = tl.sum(tl.where(bins == b, suffix, 0))
+        count_b = tl.sum(tl.where(bins == b, hist, 0))
+        edge = tl.maximum((base + b) << s, lo)
+        ge = above + suffix_b
+        if (ge <= K + SLACK) | (count_b <= 1):
+            tau = edge
+            done = 1
+        else:
+            above += suffix_b - count_b
+            if base + b < (hi >> s):  # else bucket b holds hi: (base + b + 1) << s could overflow
+                hi = ((base + b + 1) << s) - 1
+            lo = edge
+    return tau, ge
+
+
+@triton.jit
+def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
+    """Move a row's keys >= tau to the front (``row_ptr[0:kept]``), in place; returns ``kept``.
+
+    Entries are visited in address order and each goes to an address <= its own, so a block is
+    read by every thread before any thread overwrites part of it (the barrier), and never later.
+    """
+    depth = tl.max(slots)
+    kept = tl.zeros([], tl.int32)
+    for ob in range(0, depth, OB):
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        keep = tl.reshape((m & (x >= tau)).to(tl.int32), [OB * NS])
+        pos = kept + tl.cumsum(keep, 0) - keep
+        tl.debug_barrier()
+        tl.store(row_ptr + pos, tl.reshape(x, [OB * NS]), mask=keep > 0)
+        kept += tl.sum(keep)
+    tl.debug_barrier()
+    return kept
+
+
+@triton.jit
+def _balanced_slots(n, NS: tl.constexpr):
+    """Slot fill counts of n keys stored contiguously: slot j holds entries j, j + NS, ... < n."""
+    return (n - tl.arange(0, NS) + NS - 1) // NS
+
+
+@triton.jit
+def _hytopk_scan_kernel(
+    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, refine_ptr, nan_ptr, dbg_ptr,
+    S, T, I0, R, K, SLACK, LOCAL_TILES,
+    s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr, OB: tl.constexpr,
+    RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SCORE_ONLY: tl.constexpr,
+):  # fmt: skip
+    """Scores key tiles of BQ query rows (queries I0 + [0, R) of batch program_id(1)) and keeps
+    every key that can still be in a row's top K in the row's slotted buffer ``buf[b, r]``
+    (SC * BN keys); the slot fill counts go to ``cnt[b, r, 0:BN]``."""
+    b = tl.program_id(1)
+    n_blocks = tl.cdiv(R, BQ)
+    blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
+    rq = tl.arange(0, BQ)
+    jj = tl.arange(0, BN)
+    r_loc = blk * BQ + rq
+    row_ok = r_loc < R
+    qi = I0 + r_loc
+    start = tl.load(start_ptr + b * s_sb + qi * s_ss, mask=row_ok, other=0)
+    end = tl.where(row_ok, T - S + qi, -1)  # inclusive; query i sits at key position T - S + i
+    live = row_ok & (start <= end)
+    lo = tl.min(tl.where(live, start, T))
+    hi = tl.max(tl.where(live, end, -1))
+
+    # The block's queries, transposed: column c = (query c // HP, head c % HP); N = BQ * HP.
+    cols = tl.arange(0, BQ * HP)
+    c_q = cols // HP
+    c_h = cols % HP
+    c_ok = (blk * BQ + c_q < R) & (c_h < H)
+    d = tl.arange(0, DP)
+    q_rows = q_ptr + b * s_qb + (I0 + blk * BQ + c_q).to(tl.int64) * s_qs + c_h * s_qh
+    qT = tl.load(q_rows[None, :] + d[:, None] * s_qd, mask=c_ok[None, :] & (d[:, None] < D), other=0.0)
+    w_rows = w_ptr + b * s_wb + (I0 + blk * BQ + c_q).to(tl.int64) * s_ws + c_h * s_wh
+    wv = tl.load(w_rows, mask=c_ok, other=0.0)
+    if UPCAST:
+        qT = qT.to(tl.float32)
+
+    row_base = (b * R + r_loc).to(tl.int64)
+    buf_rows = buf_ptr + row_base * (SC * BN)  # [BQ] row buffers
+    th_mono = tl.full([BQ], _I32_MIN, tl.int32)  # tau of each row as (mono, largest index that ties)
+    th_idx = tl.full([BQ], _I32_MAX, tl.int32)
+    fill = tl.zeros([BN, BQ], tl.int32)  # fill[j, r]: keys in slot j of row r
+    refines = tl.zeros([BQ], tl.int32)
+    nan_seen = tl.zeros([BQ], tl.int32)
+    score_sum = tl.zeros([BQ], tl.float32)
+
+    first = lo // BN
+    last = hi // BN
+    n_tiles = tl.where(hi >= lo, last - first + 1, 0)
+    n_local = tl.minimum(n_tiles, LOCAL_TILES)
+    # Segments of SEG tiles. Before each, refine every row with a slot fuller than SC - SEG, so the
+    # tile loop inside never overflows a slot and stays an innermost loop (Triton only
+    # software-pipelines innermost loops; the refine's loops would otherwise block it).
+    for seg in range(0, n_tiles, SEG):
+        if not SCORE_ONLY:
+            full = (tl.max(fill, axis=0) > SC - SEG).to(tl.int32)
+            if tl.max(full) > 0:
+                tl.debug_barrier()  # the tile loop's stores are visible to every thread
+                for r in range(0, BQ):
+                    pick = rq == r
+                    if tl.sum(tl.where(pick, full, 0)) > 0:
+                        slots = tl.sum(tl.where(pick[None, :], fill, 0), axis=1)
+                        row_ptr = buf_ptr + (b * R + blk * BQ + r).to(tl.int64) * (SC * BN)
+                        tau = tl.full([], _I64_MIN, tl.int64)  # n <= K: keep all, only rebalance
+                        if tl.sum(slots) > K:
+                            tau, _ = _select_threshold(row_ptr, slots, K, SLACK, BN, OB)
+                        kept = _compact(row_ptr, slots, tau, BN, OB)
+                        t_hi = tau >> 32
+                        t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
+                        th_mono = tl.where(pick, t_hi.to(tl.int32), th_mono)
+                        th_idx = tl.where(pick, t_idx.to(tl.int32), th_idx)
+                        fill = tl.where(pick[None, :], _balanced_slots(kept, BN)[:, None], fill)
+                        refines += pick.to(tl.int32)
+        for it in range(seg, tl.minimum(seg + SEG, n_tiles)):
+            # The tiles next to the diagonal first (recent keys are usually the strongest, so tau
+            # rises early), then the rest of the window ascending (later ties lose: few re-entries).
+            if it < n_local:
+                tile = last - it
+            else:
+                tile = first + (it - n_local)
+            offs_n = tile * BN + jj
+            k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
+            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
+            if IEEE:
+                acc = tl.dot(kt, qT, input_precision="ieee")
+            else:
+                acc = tl.dot(kt, qT)
+            if RELU:
+                acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            acc = acc * wv[None, :]
+            if HP != H:
+                acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
+            sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)  # [BN, BQ] indexer scores
+            vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
+            if SCORE_ONLY:
+                score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
+            else:
+                # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above
+                # masked); inlined rather than a helper (helper calls are slow in the interpreter)
+                bits = sc.to(tl.int32, bitcast=True)
+                bits = tl.where(bits == _I32_MIN, 0, bits)
+                mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                mono = tl.where(sc != sc, _NAN_MONO, mono)
+                if CHECK_NAN:
+                    nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
+                n_idx = offs_n[:, None]
+                above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
+                keep = vis & above
+                key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
+                tl.store(buf_rows[None, :] + fill * BN + jj[:, None], key, mask=keep)
+                fill += keep.to(tl.int32)
+
+    tl.store(cnt_ptr + row_base[None, :] * BN + jj[:, None], fill, mask=row_ok[None, :])
+    tl.store(refine_ptr + b * R + r_loc, refines, mask=row_ok)
+    if CHECK_NAN:
+        tl.store(nan_ptr + b * R + r_loc, nan_seen, mask=row_ok)
+    if SCORE_ONLY:
+        tl.store(dbg_ptr + b * R + r_loc, score_sum, mask=row_ok)
+
+
+@triton.jit
+def _hytopk_finalize_kernel(
+    buf_ptr, cnt_ptr, idx_ptr, score_ptr,
+    I0, R, K, KOUT, s_ib, s_is, s_ob, s_os,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SCORES: tl.constexpr,
+):  # fmt: skip
+    """Exact top K of one row's buffer, sorted by key index: int32 indices (+ fp32 scores)."""
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    row = (b * R + r).to(tl.int64)
+    row_ptr = buf_ptr + row * (SC * NS)
+    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+    tau = tl.full([], _I64_MIN, tl.int64)
+    if tl.sum(slots) > K:
+        tau, _ = _select_threshold(row_ptr, slots, K, 0, NS, OB)
+    kept = _compact(row_ptr, slots, tau, NS, OB)  # the top K (or all), contiguous
+    offs = tl.arange(0, BLOCK_K)
+    valid = offs < kept
+    x = tl.load(row_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
+    x_hi = x >> 32
+    idx = ((x_hi + 1) << 32) - 1 - x
+    mono = x_hi.to(tl.int32)
+    bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
+    ubits = tl.where(bits < 0, bits.to(tl.int64) + 4294967296, bits.to(tl.int64))
+    order = tl.sort(tl.where(valid, (idx << 32) + ubits, _I64_MAX))  # by index ascending
+    ok = offs < kept
+    o_idx = tl.where(ok, order >> 32, -1).to(tl.int32)
+    out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is + offs
+    tl.store(out_idx, o_idx, mask=offs < KOUT)
+    if WRITE_SCORES:
+        o_bits = (order - ((order >> 32) << 32)).to(tl.int32)
+        o_score = tl.where(ok, o_bits.to(tl.float32, bitcast=True), float("-inf"))
+        out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os + offs
+        tl.store(out_score, o_score, mask=offs < KOUT)

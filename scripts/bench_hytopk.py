@@ -1,0 +1,304 @@
+"""Benchmark HyTopK against the baselines of DESIGN section 10, in one run, on one GPU.
+
+One sequence, H = 32 indexer heads of D = 128, topk = 2048, bf16 q/k, fp32 w, causal.
+For each T: HyTopK (Triton), the query-chunked torch baseline (score a chunk of queries with one
+matmul, ReLU, head-weighted sum, causal mask, torch.topk: what a careful user writes), the
+Transformers-style path (fp32 [S, H, T] scores + torch.topk) where it fits in memory, and the bf16
+scoring floor: 4096 * T^2 FLOP (2 * H * D per causal pair) at the bf16 matmul rate measured in the
+same run. Also one HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
+
+    python scripts/bench_hytopk.py --out results/ [--lengths 8192 32768 131072] [--million]
+
+``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
+columns (scan kernel only, scoring only) use private knobs of ``_hytopk_triton``; everything else
+uses the public API. Run from the repository root with the package installed (or PYTHONPATH=.).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import time
+
+import torch
+
+from hyscale_hf.kernels import hytopk, hytopk_stats, reset_hytopk_stats
+
+H, D, TOPK = 32, 128, 2048
+GiB = 2**30
+
+
+def cuda_time(fn, reps: int, warmup: int = 1) -> list[float]:
+    """Milliseconds of each of ``reps`` calls after ``warmup`` calls, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def median(xs):
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak bytes allocated during ``fn()`` above what was allocated before (outputs included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def bf16_matmul_tflops(n: int = 8192) -> float:
+    """bf16 GEMM rate on random data (several operand sets so L2 does not flatter it)."""
+    mats = [(torch.randn(n, n, device="cuda").bfloat16(), torch.randn(n, n, device="cuda").bfloat16()) for _ in range(3)]
+    i = [0]
+
+    def mm():
+        a, b = mats[i[0] % 3]
+        i[0] += 1
+        return a @ b
+
+    ms = median(cuda_time(mm, reps=30, warmup=5))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def make_inputs(T: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q.mul_(D**-0.5)
+    k = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.rand(1, T, H, device="cuda", generator=g) / H
+    return q, k, w
+
+
+def chunked_torch_topk(q, k, w, topk, chunk_bytes=4 * GiB):
+    """Query-chunked torch baseline: one bf16 matmul per chunk, ReLU, head-weighted sum, mask, topk."""
+    B, S, _, _ = q.shape
+    T = k.shape[1]
+    chunk = max(1, chunk_bytes // (2 * B * H * T))
+    out = torch.empty(B, S, topk, dtype=torch.int64, device=q.device)
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        hi = T - S + c1  # keys visible to the chunk's last query
+        logits = torch.einsum("bchd,btd->bcht", q[:, c0:c1], k[:, :hi]).relu_()
+        scores = torch.einsum("bcht,bch->bct", logits, w[:, c0:c1].to(logits.dtype)).float()
+        pos = torch.arange(T - S + c0, T - S + c1, device=q.device)
+        scores.masked_fill_(torch.arange(hi, device=q.device) > pos[:, None], float("-inf"))
+        kk = min(topk, hi)
+        out[:, c0:c1, :kk] = scores.topk(kk, dim=-1).indices
+        if kk < topk:
+            out[:, c0:c1, kk:] = -1
+    return out
+
+
+def transformers_style_topk(q, k, w, topk):
+    """The Transformers GLM indexer path: fp32 [B, S, H, T] scores, weighted head sum, mask, topk."""
+    T = k.shape[1]
+    scores = torch.einsum("bshd,btd->bsht", q.float(), k.float()).relu_()
+    scores = (scores * w[..., None]).sum(2)
+    scores.masked_fill_(torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    return scores.topk(min(topk, T), dim=-1).indices
+
+
+def bench_lengths(lengths, reps, tflops, stats_mod):
+    rows = []
+    for T in lengths:
+        rows.append(bench_one(T, reps, tflops, stats_mod))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_one(T, reps, tflops, stats_mod):
+    q, k, w = make_inputs(T)
+    floor_ms = 4096 * T**2 / (tflops * 1e12) * 1e3
+    r = {"T": T, "floor_ms": floor_ms}
+    n = reps if T <= 32768 else max(2, reps // 2)
+    ours = lambda: hytopk(q, k, w, TOPK, backend="triton")  # noqa: E731
+    reset_hytopk_stats()
+    r["ours_ms"] = median(cuda_time(ours, n))
+    st = hytopk_stats()
+    r["rows_refined_per_call"] = st["rows_refined"] / st["calls"]
+    r["refines_per_call"] = st["refines"] / st["calls"]
+    r["ours_peak_extra_gib"] = peak_extra_bytes(ours) / GiB
+    r["outputs_gib"] = T * TOPK * 4 / GiB
+    # where the time goes: the scan kernel without the final per-row selection, and scoring alone
+    scan_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, scan_only=True)  # noqa: E731
+    r["ours_scan_only_ms"] = median(cuda_time(scan_only, n))
+    score_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, score_only=True)  # noqa: E731
+    r["ours_scoring_only_ms"] = median(cuda_time(score_only, n))
+    chunked = lambda: chunked_torch_topk(q, k, w, TOPK)  # noqa: E731
+    r["chunked_torch_ms"] = median(cuda_time(chunked, n))
+    r["chunked_torch_peak_extra_gib"] = peak_extra_bytes(chunked) / GiB
+    if 4 * T * H * T * 1.5 < 100 * GiB:
+        tf = lambda: transformers_style_topk(q, k, w, TOPK)  # noqa: E731
+        try:
+            r["transformers_style_ms"] = median(cuda_time(tf, n))
+            r["transformers_style_peak_extra_gib"] = peak_extra_bytes(tf) / GiB
+        except torch.OutOfMemoryError:
+            r["transformers_style_ms"] = None
+            torch.cuda.empty_cache()
+    else:
+        r["transformers_style_ms"] = None  # would need > 100 GiB for its [S, H, T] fp32 table
+    r["speedup_vs_chunked"] = r["chunked_torch_ms"] / r["ours_ms"]
+    if r["transformers_style_ms"]:
+        r["speedup_vs_transformers"] = r["transformers_style_ms"] / r["ours_ms"]
+    r["ours_over_floor"] = r["ours_ms"] / floor_ms
+    r["ours_tflops"] = 4096 * T**2 / (r["ours_ms"] * 1e-3) / 1e12
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def bench_million(T, tflops, stats_mod):
+    q, k, w = make_inputs(T)
+    hytopk(q[:, :8192], k[:, :8192], w[:, :8192], TOPK, backend="triton")  # compile outside the timing
+    reset_hytopk_stats()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    idx = hytopk(q, k, w, TOPK, backend="triton")
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3
+    peak = torch.cuda.max_memory_allocated() - base
+    st = hytopk_stats()
+    ok = bool((idx[0, -1] >= 0).all()) and int(idx[0, 0, 1]) == -1
+    out_gib = idx.numel() * 4 / GiB
+    r = {
+        "T": T, "ours_ms": ms, "floor_ms": 4096 * T**2 / (tflops * 1e12) * 1e3,
+        "ours_peak_extra_gib": peak / GiB, "outputs_gib": out_gib, "scratch_and_temps_gib": peak / GiB - out_gib,
+        "inputs_gib": (q.numel() * 2 + k.numel() * 2 + w.numel() * 4) / GiB,
+        "rows_refined": st["rows_refined"], "refines": st["refines"], "sane_output": ok,
+    }  # fmt: skip
+    r["ours_over_floor"] = ms / r["floor_ms"]
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def sweep(T, tflops, stats_mod, reps, configs):
+    """Time (config, cap) pairs: full op, scan kernel only, scoring only. Returns [(full_ms, config, cap)]."""
+    q, k, w = make_inputs(T)
+    ref = hytopk(q, k, w, TOPK, backend="triton")
+    print(f"sweep T={T}: floor {4096 * T**2 / (tflops * 1e12) * 1e3:.2f} ms", flush=True)
+    results = []
+    for c, cap in configs:
+        run = lambda c=c, cap=cap, **kw: stats_mod._hytopk_triton(q, k, w, TOPK, config=c, cap=cap, **kw)  # noqa: E731
+        try:
+            t0 = time.perf_counter()
+            same = torch.equal(run()[0], ref)
+            torch.cuda.synchronize()
+            comp = time.perf_counter() - t0
+            stats_mod.reset_hytopk_stats()
+            full = median(cuda_time(run, reps))
+            st = stats_mod.hytopk_stats()
+            scan = median(cuda_time(lambda run=run: run(scan_only=True), reps))
+            so = median(cuda_time(lambda run=run: run(score_only=True), reps))
+            print(
+                f"{c} cap={cap}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  same={same}  "
+                f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
+                f"first call {comp:.1f}s",
+                flush=True,
+            )
+            results.append((full, c, cap))
+        except Exception as e:  # a config that does not compile or fit: report and go on
+            print(f"{c} cap={cap}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return sorted(results, key=lambda r: r[0])
+
+
+def sweep_configs(stats_mod):
+    cfg = stats_mod.HyTopKConfig
+    return [
+        (cfg(4, 64, 4, 2), None), (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 3), None), (cfg(2, 64, 4, 2), None),
+        (cfg(4, 128, 8, 2), None), (cfg(4, 128, 8, 2, maxnreg=128), None), (cfg(4, 64, 4, 2), 2 * TOPK),
+        (cfg(4, 64, 4, 2), 8 * TOPK),
+    ]  # fmt: skip
+
+
+def plot(rows, million, path, tflops):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    Ts = [r["T"] for r in rows]
+    ax.plot(Ts, [r["ours_ms"] for r in rows], "o-", label="HyTopK (Triton)")
+    ax.plot(Ts, [r["chunked_torch_ms"] for r in rows], "s-", label="query-chunked torch + topk")
+    tf = [(r["T"], r["transformers_style_ms"]) for r in rows if r.get("transformers_style_ms")]
+    if tf:
+        ax.plot(*zip(*tf), "^-", label="Transformers-style fp32 [S,H,T] + topk")
+    allT = Ts + ([million["T"]] if million else [])
+    ax.plot(allT, [4096 * t**2 / (tflops * 1e12) * 1e3 for t in allT], "k--", label=f"bf16 scoring floor ({tflops:.0f} TFLOP/s)")
+    if million:
+        ax.plot([million["T"]], [million["ours_ms"]], "o", color="C0")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens T (one sequence, causal)")
+    ax.set_ylabel("ms per indexer layer")
+    ax.set_title(f"Indexer scoring + exact top-{TOPK}, H={H}, D={D}, bf16, {torch.cuda.get_device_name()}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--lengths", type=int, nargs="*", default=[8192, 32768, 131072])
+    p.add_argument("--million", action="store_true", help="also one HyTopK run at 2**20 tokens")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sweep", type=int, nargs="*", default=[], help="time tile configs at these T instead")
+    p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
+    a = p.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    stats_mod = importlib.import_module("hyscale_hf.kernels.hytopk")
+    tflops = bf16_matmul_tflops()
+    print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
+        ranked = sweep(a.sweep[0], tflops, stats_mod, a.reps, sweep_configs(stats_mod))
+        for T in a.sweep[1:]:
+            torch.cuda.empty_cache()
+            sweep(T, tflops, stats_mod, 2, [(c, cap) for _, c, cap in ranked[:3]])
+        if not a.lengths_after_sweep:
+            return
+        a.lengths = a.lengths_after_sweep
+    rows = bench_lengths(a.lengths, a.reps, tflops, stats_mod)
+    million = bench_million(2**20, tflops, stats_mod) if a.million else None
+    os.makedirs(a.out, exist_ok=True)
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": importlib.import_module("triton").__version__, "H": H, "D": D, "topk": TOPK,
+        "bf16_matmul_tflops": tflops, "rows": rows, "million": million,
+    }  # fmt: skip
+    with open(os.path.join(a.out, "bench_hytopk.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, million, os.path.join(a.out, "bench_hytopk.png"), tflops)
+    print(f"{'T':>8} {'ours':>9} {'chunked':>9} {'tf-style':>9} {'floor':>8} {'x chunk':>7} {'/floor':>6} {'GiB':>6} {'refined':>8}")
+    for r in rows + ([million] if million else []):
+        tf = r.get("transformers_style_ms")
+        ch = r.get("chunked_torch_ms")
+        print(
+            f"{r['T']:>8} {r['ours_ms']:>9.2f} {ch if ch else math.nan:>9.2f} {tf if tf else math.nan:>9.2f} "
+            f"{r['floor_ms']:>8.2f} {(ch / r['ours_ms']) if ch else math.nan:>7.2f} {r['ours_over_floor']:>6.2f} "
+            f"{r['ours_peak_extra_gib']:>6.2f} {r.get('rows_refined_per_call', r.get('rows_refined')):>8}"
+        )
+
+
+if __name__ == "__main__":
+    main()
