@@ -26,6 +26,8 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  # noqa: E402
@@ -60,12 +62,29 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int) -> dict:
+def chunked_lm_loss(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Next-token loss with the LM head and cross-entropy run ``chunk`` tokens at a time under
+    checkpointing, so the [T, vocab] logits (and their fp32 copy and gradient) never exist whole.
+    The same value as ``model(input_ids=ids, labels=ids).loss``."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    head = model.get_output_embeddings()
+    n = ids.shape[1] - 1
+
+    def piece(h, y):
+        return F.cross_entropy(head(h).float().flatten(0, 1), y.flatten(), reduction="sum")
+
+    total = sum(checkpoint(piece, hidden[:, c0:min(n, c0 + chunk)], ids[:, c0 + 1:min(n, c0 + chunk) + 1],
+                           use_reentrant=False) for c0 in range(0, n, chunk))
+    return total / n
+
+
+def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int, loss_chunk: int = 0) -> dict:
     ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = chunked_lm_loss(model, ids, loss_chunk) if loss_chunk else model(input_ids=ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
 
     for _ in range(warmup):
@@ -85,7 +104,7 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
     try:
         for T in args.seqlens:
             try:
-                row = measure(model, optimizer, T, dims["vocab_size"], device, args.warmup, args.reps)
+                row = measure(model, optimizer, T, dims["vocab_size"], device, args.warmup, args.reps, args.loss_chunk)
                 longest = T
             except Exception as err:  # noqa: BLE001 - only OOM is expected; others re-raised
                 if not is_oom(err):
@@ -104,7 +123,7 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
             T = longest * 2
             while T <= args.search_max:
                 try:
-                    r = measure(model, optimizer, T, dims["vocab_size"], device, 0, 1)
+                    r = measure(model, optimizer, T, dims["vocab_size"], device, 0, 1, args.loss_chunk)
                     search.append(r)
                     longest = T
                     print(f"{arm:>10} search T={T}: ok, {r['step_ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB",
@@ -197,6 +216,8 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--search-max", type=int, default=None, help="largest T tried by the doubling search")
     p.add_argument("--step-cap-s", type=float, default=60.0, help="stop the search once a step takes longer")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="tokens per LM-head/cross-entropy chunk (0: the model's own loss over whole logits)")
     p.add_argument("--search-arms", nargs="*", default=list(ARMS), choices=ARMS,
                    help="arms that run the longest-context search (none: skip it)")
     args = p.parse_args(argv)
@@ -212,7 +233,7 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
-        "arms": [],
+        "loss_chunk": args.loss_chunk, "arms": [],
     }
     os.makedirs(args.out, exist_ok=True)
     for arm in args.arms:  # the JSON is rewritten after each arm, so a cut-short run keeps what finished
