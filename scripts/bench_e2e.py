@@ -119,8 +119,11 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
             if row.get("oom"):
                 break
         search = []
+        tried = {r["T"] for r in rows}
         if longest is not None and arm in args.search_arms:
             T = longest * 2
+            while T in tried and T <= args.search_max:  # a timed length already answered (OOM)
+                T *= 2
             while T <= args.search_max:
                 try:
                     r = measure(model, optimizer, T, dims["vocab_size"], device, 0, 1, args.loss_chunk)
