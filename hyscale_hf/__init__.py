@@ -1,8 +1,15 @@
 """hyscale_hf: exact, memory-light DSA sparse attention training for Hugging Face Transformers."""
 
+from .callbacks import HyScaleCallback
 from .config import HyScaleConfig
 from .kernels import hytopk, indexer_kl_loss, sparse_attention
 from .patching import is_patched, patch_model, supported_model_types, unpatch_model
+from .training import (
+    indexer_modules_to_save,
+    indexer_parameter_names,
+    measure_topk_recall,
+    sample_topk_recall,
+)
 from . import model_patches  # noqa: F401  (registers the model families)
 
 __version__ = "0.1.0"
@@ -16,5 +23,10 @@ __all__ = [
     "unpatch_model",
     "is_patched",
     "supported_model_types",
+    "HyScaleCallback",
+    "indexer_parameter_names",
+    "indexer_modules_to_save",
+    "measure_topk_recall",
+    "sample_topk_recall",
     "__version__",
 ]
