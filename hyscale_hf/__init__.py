@@ -4,6 +4,14 @@ from .callbacks import HyScaleCallback
 from .config import HyScaleConfig
 from .kernels import hytopk, indexer_kl_loss, sparse_attention
 from .patching import is_patched, patch_model, supported_model_types, unpatch_model
+from .replay import (
+    SelectionReplayMismatch,
+    enable_selection_replay,
+    replay_context_fn,
+    reset_selection_stats,
+    selection_stats,
+    wrap_layers_for_replay,
+)
 from .training import (
     indexer_modules_to_save,
     indexer_parameter_names,
@@ -23,6 +31,12 @@ __all__ = [
     "unpatch_model",
     "is_patched",
     "supported_model_types",
+    "enable_selection_replay",
+    "wrap_layers_for_replay",
+    "replay_context_fn",
+    "selection_stats",
+    "reset_selection_stats",
+    "SelectionReplayMismatch",
     "HyScaleCallback",
     "indexer_parameter_names",
     "indexer_modules_to_save",
