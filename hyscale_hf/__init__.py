@@ -16,6 +16,7 @@ from .training import (
     indexer_modules_to_save,
     indexer_parameter_names,
     measure_topk_recall,
+    patched_config,
     sample_topk_recall,
 )
 from . import model_patches  # noqa: F401  (registers the model families)
@@ -42,5 +43,6 @@ __all__ = [
     "indexer_modules_to_save",
     "measure_topk_recall",
     "sample_topk_recall",
+    "patched_config",
     "__version__",
 ]

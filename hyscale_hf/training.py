@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .config import HyScaleConfig
 from .indexer import in_backward
 from .kernels import reference
 from .patching import PatchState, base_model, patch_state
@@ -80,14 +81,17 @@ def topk_recall(
     cu_seqlens: torch.Tensor | None = None,
     window_start: torch.Tensor | None = None,
     max_queries: int = 64,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query share of the dense attention mass kept by the indexer's exact top-k.
 
     Inputs as in ``hyscale_hf.indexer_kl_loss`` (index_q ``[B, S, H, D]``, index_k ``[B, T, D]``,
     index_w ``[B, S, H]``, attn_q ``[B, S, Hq, Dqk]``, attn_k ``[B, T, Hkv, Dqk]``). Only queries
     that see more than ``topk`` keys count (for the others the selection keeps everything); up to
-    ``max_queries`` of them, evenly spaced over the batch, are scored. Returns fp32 ``[n]`` (empty
-    when no query sees more than ``topk`` keys). Cost: O(n * T * (H * D + Hq * Dqk)).
+    ``max_queries`` of them, evenly spaced over the batch, are scored.
+
+    Returns ``(recall, best)``, fp32 ``[n]`` each (empty when no query sees more than ``topk``
+    keys): the mass on the indexer's top-k, and the most any k keys could hold (the attention's
+    own top-k), the ceiling a perfect indexer reaches. Cost: O(n * T * (H * D + Hq * Dqk)).
     """
     if not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
@@ -99,12 +103,13 @@ def topk_recall(
     start, end = reference.query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=device)
     eligible = ((end - start + 1) > topk).flatten().nonzero().squeeze(1)
     if eligible.numel() == 0:
-        return torch.empty(0, dtype=torch.float32, device=device)
+        empty = torch.empty(0, dtype=torch.float32, device=device)
+        return empty, empty
     pick = eligible[torch.linspace(0, eligible.numel() - 1, min(max_queries, eligible.numel()), device=device).round().long()]
     pick = pick.unique()
     rows, cols = pick // S, pick % S
     heads = max(H, attn_q.shape[2])
-    out = []
+    recall, best = [], []
     for b in rows.unique().tolist():
         queries = cols[rows == b]
         chunk = max(1, _RECALL_CHUNK_BYTES // (4 * heads * T))
@@ -118,8 +123,9 @@ def topk_recall(
             p = reference._attention_target(attn_q[b : b + 1, qs], attn_k[b : b + 1, lo:hi], visible, scale, None)
             valid = idx >= 0
             kept = p.gather(-1, (idx.long() - lo).clamp_min(0)).masked_fill(~valid, 0.0).sum(-1)
-            out.append(kept.reshape(-1).float())
-    return torch.cat(out)
+            recall.append(kept.reshape(-1).float())
+            best.append(p.topk(min(topk, p.shape[-1]), dim=-1).values.sum(-1).reshape(-1).float())
+    return torch.cat(recall), torch.cat(best)
 
 
 class RecallProbe:
@@ -129,7 +135,7 @@ class RecallProbe:
         if not isinstance(max_queries, int) or max_queries <= 0:
             raise ValueError(f"max_queries must be a positive int, got {max_queries!r}")
         self.max_queries = max_queries
-        self.per_layer: list[torch.Tensor] = []  # one [n] tensor per observed layer forward
+        self.per_layer: list[tuple[torch.Tensor, torch.Tensor]] = []  # (recall, best) per layer forward
         self.calls = 0  # layer forwards observed (including ones with no eligible query)
 
     def __call__(self, state: PatchState, **inputs) -> None:
@@ -137,20 +143,27 @@ class RecallProbe:
         topk = state.config.topk
         if topk is None:
             raise ValueError("state.config.topk is None: the model family did not resolve it when patching")
-        recall = topk_recall(**inputs, topk=topk, max_queries=self.max_queries)
+        recall, best = topk_recall(**inputs, topk=topk, max_queries=self.max_queries)
         if recall.numel():
-            self.per_layer.append(recall.cpu())
+            self.per_layer.append((recall.cpu(), best.cpu()))
 
-    def totals(self) -> tuple[float, int]:
-        """(sum of per-query recalls, number of queries) over all observed layers."""
+    def totals(self) -> tuple[float, float, int]:
+        """(sum of per-query recalls, sum of their ceilings, number of queries) over all observed layers."""
         if not self.per_layer:
-            return 0.0, 0
-        values = torch.cat(self.per_layer)
-        return float(values.sum()), int(values.numel())
+            return 0.0, 0.0, 0
+        recall = torch.cat([r for r, _ in self.per_layer])
+        best = torch.cat([b for _, b in self.per_layer])
+        return float(recall.sum()), float(best.sum()), int(recall.numel())
 
     def mean(self) -> float | None:
-        total, count = self.totals()
+        """Mean recall over the sampled queries of all observed layers (None if none)."""
+        total, _, count = self.totals()
         return total / count if count else None
+
+    def mean_best(self) -> float | None:
+        """Mean ceiling (the attention's own top-k mass) over the same queries (None if none)."""
+        _, best, count = self.totals()
+        return best / count if count else None
 
 
 def observe_selection(
@@ -193,6 +206,12 @@ def _require_state(model: torch.nn.Module) -> PatchState:
     return state
 
 
+def patched_config(model: torch.nn.Module) -> HyScaleConfig:
+    """The live ``HyScaleConfig`` of a patched model (None fields resolved from the model): edits
+    take effect on the next forward; save it with ``dataclasses.asdict`` to patch a reload alike."""
+    return _require_state(model).config
+
+
 @contextmanager
 def sample_topk_recall(model: torch.nn.Module, max_queries: int = 64) -> Iterator[RecallProbe]:
     """Within the block, forwards of the patched ``model`` record top-k recall into the yielded probe."""
@@ -207,12 +226,16 @@ def sample_topk_recall(model: torch.nn.Module, max_queries: int = 64) -> Iterato
         state.selection_probe = None
 
 
-def measure_topk_recall(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], max_queries: int = 64) -> float | None:
+def measure_topk_recall(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], max_queries: int = 64, return_best: bool = False
+):
     """Mean top-k recall of the dense attention mass over the full indexer layers for one forward of
     ``model(**batch)`` (no gradients; the model's train/eval mode is left as it is).
 
-    None when no query of the batch sees more than ``topk`` keys. Raises ``RuntimeError`` when no
-    patched layer reported its selection (a family that does not call ``observe_selection``).
+    With ``return_best``, returns ``(recall, best)``: ``best`` is the mean mass of the attention's
+    own top-k on the same queries, the ceiling of ``recall``. None (or ``(None, None)``) when no
+    query of the batch sees more than ``topk`` keys. Raises ``RuntimeError`` when no patched layer
+    reported its selection (a family that does not call ``observe_selection``).
     """
     with sample_topk_recall(model, max_queries) as probe, torch.no_grad():
         model(**batch)
@@ -221,4 +244,4 @@ def measure_topk_recall(model: torch.nn.Module, batch: Mapping[str, torch.Tensor
             f"no layer of this {_require_state(model).family.model_type} model reported its selection "
             "(its patch does not call hyscale_hf.training.observe_selection)"
         )
-    return probe.mean()
+    return (probe.mean(), probe.mean_best()) if return_best else probe.mean()

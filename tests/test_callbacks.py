@@ -74,9 +74,24 @@ def test_stage_switch_freezes_then_unfreezes(tmp_path):
 
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["step"] for e in logged] == list(range(1, 7))
-    assert [e["sparse_stage"] for e in logged] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert [e["hyscale_stage"] for e in logged] == [1.0] * 3 + [2.0] * 3  # warm-up, then sparse
     for entry in logged:  # values reach log_history although on_log runs after it is written
         assert entry["indexer_loss"] > 0 and 0.0 <= entry["topk_recall"] <= 1.0 + 1e-6
+
+
+def test_dense_pretrain_stage_comes_first(tmp_path):
+    model = patched_toy()
+    everything = {n for n, _ in model.named_parameters()}
+    indexer = set(indexer_parameter_names(model))
+    recorder = StageRecorder()
+    callback = HyScaleCallback(dense_warmup_steps=2, dense_pretrain_steps=2)
+    trainer = make_trainer(model, tmp_path, [callback, recorder], max_steps=6)
+    trainer.train()
+    assert [dense for dense, _ in recorder.steps] == [True] * 4 + [False] * 2
+    assert [t == everything for _, t in recorder.steps] == [True, True, False, False, True, True]
+    assert all(t == indexer for _, t in recorder.steps[2:4])
+    logged = [e["hyscale_stage"] for e in trainer.state.log_history if "loss" in e]
+    assert logged == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
 
 
 def test_warmup_trains_only_the_indexer(tmp_path):
