@@ -3,4 +3,4 @@
 internals. Families missing from the installed Transformers are skipped at import."""
 
 # DSA families (MLA + lightning indexer); each file registers only if Transformers has the model.
-from . import axk2, deepseek_v32, glm_moe_dsa, hy_v4  # noqa: F401,E402
+from . import axk2, deepseek_v32, dots3_note, glm_moe_dsa, hy_v4, mistral_large4  # noqa: F401,E402

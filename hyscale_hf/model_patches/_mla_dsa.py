@@ -125,7 +125,7 @@ class MLADSAFamily:
         return q_nope, q_rot, q_resid, None
 
     def latent_kv(self, attn, x: torch.Tensor):
-        """-> (normalised latent [B, S, kv_lora_rank], k_rot [B, S, rope] before RoPE)."""
+        """-> (normalised latent [B, S, kv_lora_rank], k_rot [B, S, rope] before RoPE) of this call's tokens."""
         compressed = attn.kv_a_proj_with_mqa(x)
         kv_pass, k_rot = torch.split(compressed, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
         return attn.kv_a_layernorm(kv_pass), k_rot
@@ -134,6 +134,17 @@ class MLADSAFamily:
         """q_rot [B, S, H, r], k_rot [B, S, r] -> both rotated (the family's layout)."""
         q_rot, k_rot = self.main_rope(q_rot, k_rot[:, :, None], cos, sin, unsqueeze_dim=2)
         return q_rot, k_rot[:, :, 0]
+
+    def all_keys(self, attn, latent, k_rot, cache, queries: int, kwargs: dict):
+        """-> (latent [B, T, C], k_rot [B, T, R] of every visible token, past = T - S).
+
+        Appends this call's latents to the KV cache (when there is one) and returns the cached ones too.
+        """
+        if cache is None:
+            return latent, k_rot, 0
+        past = _past_length(cache, attn.layer_idx)
+        latent, k_rot = _update_latent_cache(cache, attn.layer_idx, latent, k_rot, past)
+        return latent, k_rot, past
 
     def scale_query(self, attn, q_nope, q_rot, position_ids):
         """Hook for per-position query scaling after RoPE (Mistral-Large-4); identity by default."""
@@ -155,6 +166,10 @@ class MLADSAFamily:
 
     def is_shared_layer(self, attn) -> bool:
         return bool(getattr(attn, "skip_topk", False))
+
+    def sliding_window(self, attn) -> int | None:
+        """Window W of a sliding-window layer (keys q - W < s <= q), None for DSA and full layers."""
+        return None
 
     def indexer_key(self, indexer, x: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE indexer key [B, S, D]."""
@@ -212,21 +227,24 @@ def _packed_starts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | Non
     return torch.where(is_start, arange, torch.zeros_like(arange)).cummax(dim=1).values
 
 
-def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int, has_cache: bool):
+def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int):
     """(cu_seqlens, window_start) narrowing each query's visible keys, as hytopk takes them.
 
     Packed sequences come as ``cu_seq_lens_q/k`` kwargs (DataCollatorWithFlattening) or as
-    ``position_ids`` resets (only without a padding mask and without a cache, as in Transformers);
-    left padding comes from the 2-D padding mask.
+    ``position_ids`` resets; left padding comes from the 2-D padding mask. Resets are looked for
+    whenever there is no cached prefix (``queries == keys``): Transformers looks only without a
+    cache object and without a padding mask, so an unpatched model run with ``use_cache=True`` on a
+    packed batch would attend across sequences; a patched one never selects across a boundary.
     """
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         cu = cu_q if cu_q is not None else cu_k
         if cu_q is not None and cu_k is not None and not torch.equal(cu_q, cu_k):
             raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal for causal self-attention over packed sequences")
-        if has_cache or queries != keys:
-            raise ValueError("cu_seq_lens_* (packed sequences) cannot be combined with a KV cache")
+        if queries != keys:
+            raise ValueError("cu_seq_lens_* (packed sequences) cannot be combined with a cached prefix")
         return cu.to(torch.int32), None
+    window_start = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
@@ -235,10 +253,12 @@ def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries:
         if attention_mask.shape[-1] < keys:
             raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} keys but there are {keys}")
         first = _first_real_key(attention_mask[:, :keys])
-        return None, (first if bool(first.any()) else None)
-    if position_ids is not None and not has_cache and queries == keys:
-        return None, _packed_starts(position_ids, batch)
-    return None, None
+        window_start = first if bool(first.any()) else None
+    if position_ids is not None and position_ids.dim() == 2 and queries == keys:
+        starts = _packed_starts(position_ids, batch)
+        if starts is not None:
+            window_start = starts if window_start is None else torch.maximum(starts, window_start[:, None])
+    return None, window_start
 
 
 # ----------------------------------------------------------------------------- caches
@@ -314,6 +334,15 @@ def _absorb(attn, q_nope: torch.Tensor):
     w_uk, w_uv = w[:, : attn.qk_nope_head_dim], w[:, attn.qk_nope_head_dim :]
     q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype))
     return q_latent, w_uv
+
+
+def _window_indices(batch, queries, keys, window, key_offset, cu_seqlens, window_start, device) -> torch.Tensor:
+    """int32 [B, S, min(W, T)]: each query's last W visible keys (ascending, -1 padded), as positions in a
+    key buffer that starts at absolute position ``key_offset`` (a sliding-window cache drops older keys)."""
+    start, end = query_windows(batch, queries, keys, cu_seqlens=cu_seqlens, window_start=window_start, device=device)
+    first = torch.maximum(start, end - (window - 1))
+    idx = first[..., None] + torch.arange(min(window, keys), device=device)
+    return torch.where(idx <= end[..., None], idx - key_offset, -1).to(torch.int32)
 
 
 def _dense_attention(q, k, value_dim: int, scale: float, cu_seqlens, window_start, want_lse: bool):
@@ -392,40 +421,49 @@ def mla_dsa_attention_forward(
     latent, k_rot = family.latent_kv(self, x)
     q_rot, k_rot = family.apply_main_rope(self, q_rot, k_rot, cos, sin)
     q_nope, q_rot = family.scale_query(self, q_nope, q_rot, position_ids)
-
-    past = 0
-    if cache is not None:
-        past = _past_length(cache, self.layer_idx)
-        latent, k_rot = _update_latent_cache(cache, self.layer_idx, latent, k_rot, past)
-    T = past + S
+    latent, k_rot, past = family.all_keys(self, latent, k_rot, cache, S, kwargs)
+    T = past + S  # keys visible to this call; a sliding-window cache returns only the last latent.shape[1]
+    key_offset = T - latent.shape[1]
 
     q_latent, w_uv = _absorb(self, q_nope)
     attn_q = torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)  # [B, S, H, C + R]
-    attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, T, 1, C + R]
+    attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, L, 1, C + R]
     value_dim = self.kv_lora_rank
-    cu_seqlens, window_start = key_windows(attention_mask, position_ids, kwargs, B, S, T, cache is not None)
+    cu_seqlens, window_start = key_windows(attention_mask, position_ids, kwargs, B, S, T)
 
     indexer = family.indexer(self)
+    shared_layer = family.is_shared_layer(self)
+    window = family.sliding_window(self)
+    if (indexer is not None or shared_layer or window is None) and key_offset:
+        raise RuntimeError(f"layer {self.layer_idx}: the cache returned {latent.shape[1]} of {T} keys; only a "
+                           "sliding-window layer may drop old keys")
     index_q = index_k = index_w = None
     if indexer is not None:
-        # Detached inputs: the indexer learns only from its KL loss, the LM loss never reaches it.
+        # Detached inputs (RoPE tables too: Mistral Large 4 learns its frequencies): the indexer learns
+        # only from its KL loss, and that loss reaches nothing but the indexer.
         index_q, new_keys, index_w = family.indexer_qkw(
-            indexer, x.detach(), q_index_input.detach() if q_index_input is not None else None, cos, sin, position_ids
+            indexer, x.detach(), q_index_input.detach() if q_index_input is not None else None, cos.detach(),
+            sin.detach(), position_ids,
         )
         index_k = _indexer_keys(cache, self.layer_idx, new_keys, past, T)
         observe_selection(state, index_q, index_k, index_w, attn_q, attn_k, scale=self.scaling, relu=cfg.relu,
                           cu_seqlens=cu_seqlens, window_start=window_start)  # top-k recall sampling (no-op otherwise)
 
     sinks = family.sinks(self)
-    topk_indices = None
-    if cfg.dense_warmup:
+    topk_indices = loss_indices = None
+    if window is not None:  # a sliding-window layer (no indexer): its selection is the window itself
+        o_latent, lse = sparse_attention(attn_q, attn_k, attn_k[..., :value_dim],
+                                         _window_indices(B, S, T, window, key_offset, cu_seqlens, window_start, x.device),
+                                         scale=self.scaling, return_lse=True, backend=cfg.backend)
+    elif cfg.dense_warmup or (indexer is None and not shared_layer):  # warm-up, or a layer without DSA
         o_latent, lse = _dense_attention(attn_q, attn_k, value_dim, self.scaling, cu_seqlens, window_start,
                                          want_lse=sinks is not None)
-        loss_indices = None
     else:
         if indexer is not None:
-            topk_indices = hytopk(index_q, index_k, index_w, min(cfg.topk, T), cu_seqlens=cu_seqlens,
-                                  window_start=window_start, relu=cfg.relu, backend=cfg.backend)
+            # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
+            topk_indices = hytopk(index_q.detach(), index_k.detach(), index_w.detach(), min(cfg.topk, T),
+                                  cu_seqlens=cu_seqlens, window_start=window_start, relu=cfg.relu,
+                                  backend=cfg.backend)
         else:
             if prev_topk_indices is None:
                 raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
@@ -435,6 +473,11 @@ def mla_dsa_attention_forward(
         loss_indices = topk_indices
 
     if sinks is not None:
+        if torch.is_grad_enabled() and o_latent.requires_grad and lse.grad_fn is None:
+            raise RuntimeError(
+                f"attention sinks need gradients through the sparse attention's lse, which backend "
+                f"{cfg.backend!r} does not provide; use backend='torch' for {family.model_type}"
+            )
         sink = sinks.float()
         o_latent = o_latent * torch.sigmoid(lse - sink).to(o_latent.dtype)[..., None]
         lse = torch.logaddexp(lse, sink)  # the softmax normaliser including the sink, for the KL target
