@@ -1,4 +1,8 @@
-"""Indexer training wiring: add each indexer layer's KL loss to training without touching the loop.
+"""The lightning indexer added to dense models, and the wiring that trains indexers.
+
+``LightningIndexer`` is the module a dense family's patch adds to each attention layer (see
+``hyscale_hf/model_patches/_dense_common.py`` for how it is attached, cached during generation and
+saved). ``attach_indexer_loss`` adds each indexer layer's KL loss to training without touching the loop.
 
 A patched attention module computes its indexer KL loss and passes its output through
 ``attach_indexer_loss``: the forward value is unchanged (the Trainer's loss stays the LM loss), and
@@ -10,6 +14,7 @@ LM loss never reaches the indexer (top-k indices carry no gradient).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .patching import PatchState
 
@@ -44,3 +49,124 @@ def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchSt
     if coef == 0.0 or not loss.requires_grad or not torch.is_grad_enabled():
         return hidden
     return _AttachLoss.apply(hidden, loss, coef)
+
+
+# ----------------------------------------------------------------------------- lightning indexer
+
+
+def rope_frequency_subset(num_pairs: int, keep_pairs: int) -> torch.Tensor:
+    """Evenly spaced frequency indices (int64 ``[keep_pairs]``) out of a RoPE table of ``num_pairs``.
+
+    RoPE tables are geometric (``theta_j = base^(-2j/R)``), so every ``stride``-th frequency is the
+    table of a smaller RoPE with the same base spanning the same wavelengths, high and low.
+    """
+    return torch.arange(keep_pairs, dtype=torch.int64) * num_pairs // keep_pairs
+
+
+class LightningIndexer(nn.Module):
+    """The lightning indexer added to a dense model's attention layer (DeepSeek-V3.2 layout).
+
+    ``I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s])`` with, from the layer's hidden states ``x``:
+    ``q = wq(x)`` (``H`` heads of dim ``D``), one key ``k = LayerNorm(wk(x))`` of dim ``D`` shared by
+    the heads, and ``w = weights_proj(x) * H^-0.5 * D^-0.5`` in fp32 (both positive scales folded
+    into ``w``, DESIGN section 2). RoPE rotates the first ``rope_dim`` dims of ``q`` and ``k`` with
+    the model's own rotary tables and layout (``apply_rotary``: the family's
+    ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``); ``rope_dim`` smaller than the model's
+    rotary dim keeps an evenly spaced subset of its frequencies.
+
+    Initialisation (a locality prior, so the first selections are the recent keys rather than noise):
+    the projections are normal(0, ``init_std``) like the model's own weights; ``wq`` and the key
+    LayerNorm carry a bias of 1 on the RoPE dims, so every head starts with a constant RoPE component
+    on q and k whose dot product ``sum_j cos(theta_j (t - s))`` peaks at distance 0 and falls with
+    distance (RoPE's long-range decay); ``weights_proj`` starts with bias 1, so every head's weight
+    starts positive. Training replaces the prior through the KL loss.
+
+    Args:
+        hidden_size: width of the hidden states ``x``.
+        n_heads: indexer heads ``H``.
+        head_dim: indexer head dim ``D`` (even).
+        rope_dim: dims of q and k rotated by RoPE (even, ``0 <= rope_dim <= D``).
+        apply_rotary: the family's ``apply_rotary_pos_emb``; required when ``rope_dim > 0``.
+        init_std: std of the projection weights (the model's ``initializer_range``).
+        eps: LayerNorm epsilon of the key.
+
+    ``forward(x, cos, sin)``: ``x [B, S, hidden]``, ``cos``/``sin`` ``[B or 1, S, R]`` (the model's
+    rotary tables, ``R >= rope_dim``) -> ``q [B, S, H, D]``, ``k [B, S, D]`` in ``x``'s dtype and
+    ``w [B, S, H]`` fp32.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        n_heads: int,
+        head_dim: int,
+        rope_dim: int,
+        *,
+        apply_rotary=None,
+        init_std: float = 0.02,
+        eps: float = 1e-6,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("n_heads", n_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even, got {head_dim}")
+        if not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2 or rope_dim > head_dim:
+            raise ValueError(f"rope_dim must be an even int in [0, head_dim={head_dim}], got {rope_dim!r}")
+        if rope_dim and not callable(apply_rotary):
+            raise TypeError("apply_rotary must be the family's apply_rotary_pos_emb when rope_dim > 0")
+        if init_std <= 0:
+            raise ValueError(f"init_std must be > 0, got {init_std}")
+        self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
+        self.init_std = float(init_std)
+        self.apply_rotary = apply_rotary
+        factory = {"dtype": dtype, "device": device}
+        self.wq = nn.Linear(hidden_size, n_heads * head_dim, bias=True, **factory)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False, **factory)
+        self.k_norm = nn.LayerNorm(head_dim, eps=eps, **factory)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=True, **factory)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The locality-prior initialisation described in the class docstring."""
+        for linear in (self.wq, self.wk, self.weights_proj):
+            linear.weight.normal_(0.0, self.init_std)
+        rope_bias = torch.zeros(self.head_dim)
+        rope_bias[: self.rope_dim] = 1.0
+        self.wq.bias.copy_(rope_bias.repeat(self.n_heads))
+        self.k_norm.weight.fill_(1.0)
+        self.k_norm.bias.copy_(rope_bias)
+        self.weights_proj.bias.fill_(1.0)
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, head_dim={self.head_dim}, rope_dim={self.rope_dim}"
+
+    def _rope_tables(self, cos: torch.Tensor, sin: torch.Tensor):
+        """The model's ``[.., R]`` tables (two copies of R/2 frequencies) cut to ``rope_dim``."""
+        R = cos.shape[-1]
+        if R % 2 or R < self.rope_dim:
+            raise ValueError(f"the rotary tables have {R} dims; the indexer needs an even number >= rope_dim={self.rope_dim}")
+        if R == self.rope_dim:
+            return cos, sin
+        sel = rope_frequency_subset(R // 2, self.rope_dim // 2).to(cos.device)
+        cut = lambda t: torch.cat([t[..., sel], t[..., sel]], dim=-1)  # noqa: E731
+        return cut(cos), cut(sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
+        B, S, _ = x.shape
+        H, D, r = self.n_heads, self.head_dim, self.rope_dim
+        q = self.wq(x).view(B, S, H, D)
+        k = self.k_norm(self.wk(x))
+        if r:
+            if cos is None or sin is None:
+                raise ValueError("the indexer applies RoPE: pass the model's rotary tables cos and sin")
+            cos_r, sin_r = self._rope_tables(cos, sin)
+            q_rot, k_rot = self.apply_rotary(q[..., :r], k[:, :, None, :r], cos_r, sin_r, unsqueeze_dim=2)
+            q = torch.cat([q_rot.to(q.dtype), q[..., r:]], dim=-1)
+            k = torch.cat([k_rot[:, :, 0].to(k.dtype), k[..., r:]], dim=-1)
+        w = self.weights_proj(x).float() * (H**-0.5 * D**-0.5)
+        return q, k, w

@@ -55,9 +55,11 @@ def build_model(dims: dict, layers: int, max_t: int, device, dtype):
         max_position_embeddings=max(max_t, 4096), indexer_types=["full"] * layers, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, **dims,
     )
+    config.use_cache = False
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
-    return model.to(device).train()
+    with torch.device(device):  # initialise the weights where they will live
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    return model.train()
 
 
 def enable_checkpointing(model) -> None:
@@ -133,36 +135,51 @@ def run(args) -> dict:
         "rows": [],
     }
     for T in seqlens:
-        gen = torch.Generator(device="cpu").manual_seed(T)
-        ids = torch.randint(3, dims["vocab_size"], (1, T), generator=gen).to(device)
-        arms = {"off": [], "on": []}
-        detail = {}
-        for _ in range(args.rounds):  # alternate the arms so drift hits both
-            for arm in ("off", "on"):
-                undo = hyscale_hf.enable_selection_replay(model) if arm == "on" else None
-                r = bench_step(model, ids, device, args.warmup, args.reps)
-                if undo is not None:
-                    undo()
-                arms[arm] += r["times_ms"]
-                detail[arm] = r
-        topk_ms = bench_hytopk(T, dims, device, dtype, args.reps)
-        row = {"T": T, "hytopk_ms": topk_ms}
-        for arm in ("off", "on"):
-            row[f"replay_{arm}"] = {**detail[arm], "median_ms": statistics.median(arms[arm]), "times_ms": arms[arm]}
-        row["saved_ms"] = row["replay_off"]["median_ms"] - row["replay_on"]["median_ms"]
-        row["speedup"] = row["replay_off"]["median_ms"] / row["replay_on"]["median_ms"]
-        row["expected_saving_ms"] = args.layers * topk_ms
+        try:
+            row = bench_seqlen(model, T, dims, device, dtype, args)
+        except torch.cuda.OutOfMemoryError as e:  # keep the other lengths' results
+            row = {"T": T, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            print(f"T={T}: {row['error']}", flush=True)
         result["rows"].append(row)
-        print(f"T={T}: off {row['replay_off']['median_ms']:.1f} ms, on {row['replay_on']['median_ms']:.1f} ms, "
-              f"x{row['speedup']:.3f}; HyTopK {topk_ms:.2f} ms; recompute runs/step off "
-              f"{row['replay_off']['stats_per_step']['indexer_recompute']:.0f}, on "
-              f"{row['replay_on']['stats_per_step']['indexer_recompute']:.0f}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return result
+
+
+def bench_seqlen(model, T: int, dims: dict, device, dtype, args) -> dict:
+    """One sequence length: both arms alternating, then HyTopK alone."""
+    gen = torch.Generator(device="cpu").manual_seed(T)
+    ids = torch.randint(3, dims["vocab_size"], (1, T), generator=gen).to(device)
+    arms = {"off": [], "on": []}
+    detail = {}
+    for _ in range(args.rounds):  # alternate the arms so drift hits both
+        for arm in ("off", "on"):
+            undo = hyscale_hf.enable_selection_replay(model) if arm == "on" else None
+            r = bench_step(model, ids, device, args.warmup, args.reps)
+            if undo is not None:
+                undo()
+            arms[arm] += r["times_ms"]
+            detail[arm] = r
+    topk_ms = bench_hytopk(T, dims, device, dtype, args.reps)
+    row = {"T": T, "hytopk_ms": topk_ms}
+    for arm in ("off", "on"):
+        row[f"replay_{arm}"] = {**detail[arm], "median_ms": statistics.median(arms[arm]), "times_ms": arms[arm]}
+    row["saved_ms"] = row["replay_off"]["median_ms"] - row["replay_on"]["median_ms"]
+    row["speedup"] = row["replay_off"]["median_ms"] / row["replay_on"]["median_ms"]
+    row["expected_saving_ms"] = args.layers * topk_ms
+    print(f"T={T}: off {row['replay_off']['median_ms']:.1f} ms, on {row['replay_on']['median_ms']:.1f} ms, "
+          f"x{row['speedup']:.3f}; HyTopK {topk_ms:.2f} ms; recompute runs/step off "
+          f"{row['replay_off']['stats_per_step']['indexer_recompute']:.0f}, on "
+          f"{row['replay_on']['stats_per_step']['indexer_recompute']:.0f}", flush=True)
+    return row
 
 
 def table(result: dict) -> str:
     lines = ["   T  | replay off ms | replay on ms | speedup | saved ms | layers x HyTopK ms | recompute runs off/on | peak GiB off/on"]
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['T']:>6} | {r['error']}")
+            continue
         off, on = r["replay_off"], r["replay_on"]
         peak = "-" if off["peak_gib"] is None else f"{off['peak_gib']:.1f}/{on['peak_gib']:.1f}"
         lines.append(
@@ -181,7 +198,9 @@ def plot(result: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if "error" not in r]
+    if not rows:
+        return False
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.38

@@ -15,7 +15,7 @@ from hyscale_hf.replay import ReplayContextFn, _ReplayCheckpointFunc
 from tests import replay_toy
 from tests.replay_toy import make_toy
 
-pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # Transformers 5.23+ deprecation notices
 
 B, T, VOCAB = 2, 16, 32
 N_LAYERS, N_FULL = 4, 2  # toy layer types: full, shared, full, shared
@@ -45,6 +45,12 @@ def _assert_bitwise(a, b):
 def _reference_grads(ids, **config):
     model = patch_model(make_toy(**config), selection_replay=False)
     return _step(model, ids)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _toy_family():
+    with replay_toy.toy_family():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -294,3 +300,79 @@ def test_trainer_gradient_checkpointing_matches_training_without_it(tmp_path):
     _assert_bitwise(reference, trained)
     with pytest.raises(ValueError, match="non-reentrant"):
         train(True, gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_wrap_layers_for_replay_under_fsdp2(tmp_path):
+    """The FSDP2 recipe: wrap the layers, then fully_shard them (one gloo process on the CPU)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    from torch.distributed.fsdp import fully_shard
+
+    ids = _ids()
+    reference = _reference_grads(ids)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = patch_model(make_toy())
+        hyscale_hf.wrap_layers_for_replay(model)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        hyscale_hf.reset_selection_stats()
+        model(ids, labels=ids).loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()
+                 for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    _assert_bitwise(reference, grads)
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == N_LAYERS
+
+
+class _Toy517(replay_toy.ToyModel):
+    """Transformers 5.17's checkpointing surface: gradient_checkpointing_enable is the only entry
+    point (its body, as in 5.17's modeling_utils, without offload) and there is no
+    activation_checkpointing_enable."""
+
+    activation_checkpointing_enable = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        if gradient_checkpointing_kwargs is None:
+            gradient_checkpointing_kwargs = {"use_reentrant": False}
+        func = functools.partial(torch.utils.checkpoint.checkpoint, **gradient_checkpointing_kwargs)
+        self._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+
+
+def test_transformers_517_entry_point():
+    torch.manual_seed(0)
+    model = patch_model(_Toy517(replay_toy.ToyConfig()).train())
+    assert "gradient_checkpointing_enable" in model.__dict__
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    # The call the 5.17 Trainer makes.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False)
+    _assert_bitwise(_reference_grads(_ids()), _step(model, _ids()))
+    assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
+    unpatch_model(model)
+    assert "gradient_checkpointing_enable" not in model.__dict__
+
+
+def test_deepcopy_of_a_patched_model_is_independent():
+    import copy
+
+    model = patch_model(make_toy())
+    model.gradient_checkpointing_enable()
+    clone = copy.deepcopy(model)
+    entry = next(n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable") if n in vars(clone))
+    assert vars(clone)[entry].model is clone and vars(model)[entry].model is model
+    clone.gradient_checkpointing_disable()
+    clone.gradient_checkpointing_enable(every_n_layers=2)  # acts on the clone only
+    assert [layer.gradient_checkpointing for layer in model.layers] == [True] * N_LAYERS
+    assert [layer.gradient_checkpointing for layer in clone.layers] == [True, False, True, False]
+    _assert_bitwise(_reference_grads(_ids()), _step(clone, _ids()))
+    assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
+    unpatch_model(clone)
+    assert entry not in vars(clone) and entry in vars(model) and hyscale_hf.is_patched(model)
+    assert isinstance(model.layers[0]._gradient_checkpointing_func, _ReplayCheckpointFunc)
+    assert not isinstance(clone.layers[0]._gradient_checkpointing_func, _ReplayCheckpointFunc)
