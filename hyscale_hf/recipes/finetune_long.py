@@ -51,6 +51,9 @@ PRESETS = {
                 hidden_size=512, num_layers=6, index_topk=512, index_n_heads=8, index_head_dim=64,
                 passkey_trials=10, passkey_depths="0.0,0.25,0.5,0.75,1.0", eval_tokens=8192),
 }
+# Preset keys that shape the built model only (with --model, index_n_heads/index_head_dim given on the
+# command line size the indexer that patch_model adds to a dense model).
+BUILT_MODEL_KEYS = ("hidden_size", "num_layers", "index_topk", "index_n_heads", "index_head_dim")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--output_dir", default="hyscale_finetune_long")
     run.add_argument("--report_to", default="none")
     run.add_argument("--no_progress", action="store_true", help="plain log lines instead of a progress bar")
-    built = p.add_argument_group("the built model (no --model)")
+    built = p.add_argument_group("the built model (no --model); --index_n_heads/--index_head_dim also size the "
+                                 "indexer added to a dense --model")
     built.add_argument("--hidden_size", type=int)
     built.add_argument("--num_layers", type=int)
     built.add_argument("--index_topk", type=int)
@@ -99,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     preset = dict(PRESETS["tiny" if args.tiny else ("gpu" if torch.cuda.is_available() else "cpu")])
     if args.model is not None:
         preset["dense_pretrain_steps"] = 0  # a trained dense model: straight to the indexer warm-up
+        for key in BUILT_MODEL_KEYS:  # the model brings its own shape
+            preset.pop(key)
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -225,6 +231,10 @@ def main(argv=None) -> dict:
         config_overrides["topk"] = args.topk
     if args.indexer_loss_coef is not None:
         config_overrides["indexer_loss_coef"] = args.indexer_loss_coef
+    if args.model is not None:
+        for name in ("index_n_heads", "index_head_dim"):
+            if getattr(args, name) is not None:
+                config_overrides[name] = getattr(args, name)
     hyscale_hf.patch_model(model, **config_overrides)
     if args.lora_r > 0:
         model = add_lora(model, args.lora_r)

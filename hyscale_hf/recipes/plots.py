@@ -47,10 +47,10 @@ def plot_training_curves(
     handles = [h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]]
     labels = [lab for ax in fig.axes for lab in ax.get_legend_handles_labels()[1]]
     unique = dict(zip(labels, handles))
-    ax_idx.legend(unique.values(), unique.keys(), loc="lower left", fontsize=8)
+    fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=len(unique), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)

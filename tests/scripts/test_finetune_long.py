@@ -19,14 +19,19 @@ from hyscale_hf.recipes.passkey import PasskeyBuilder
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_run_end_to_end(tmp_path):
-    out = tmp_path / "run"
+def run_script(tmp_path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "finetune_long.py"), "--tiny", "--no_progress", "--output_dir", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(ROOT / "scripts" / "finetune_long.py"), "--tiny", "--no_progress", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = run_script(tmp_path, "--output_dir", str(out))
     assert "passkey" in proc.stdout and "top-k recall" in proc.stdout
 
     results = json.loads((out / "results.json").read_text())
@@ -53,6 +58,30 @@ def test_tiny_run_end_to_end(tmp_path):
     with torch.no_grad():
         first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
     assert torch.isfinite(first).all() and torch.equal(first, second)
+
+
+def test_local_dense_model_with_lora(tmp_path):
+    """--model: a local Llama checkpoint (the patch adds the indexer), LoRA adapters + a fully trained indexer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "run"
+    run_script(tmp_path, "--model", str(tmp_path / "llama"), "--topk", "32", "--index_n_heads", "2",
+               "--index_head_dim", "8", "--lora_r", "4", "--output_dir", str(out))
+    results = json.loads((out / "results.json").read_text())
+    assert results["dense_pretrain_steps"] == 0 and results["topk"] == 32
+    assert 0.0 < results["topk_recall_held_out"] <= 1.0
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(saved["modules_to_save"]) == ["model.layers.0.self_attn.indexer", "model.layers.1.self_attn.indexer"]
+    assert not any("indexer" in t for t in saved["target_modules"])
+    history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+    assert [e["hyscale_stage"] for e in history] == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
 
 
 def test_console_script_entry_point():
