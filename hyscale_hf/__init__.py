@@ -4,6 +4,14 @@ from . import model_patches  # noqa: F401  (registers the model families)
 from .config import HyScaleConfig
 from .kernels import hytopk, indexer_kl_loss, sparse_attention
 from .patching import is_patched, patch_model, supported_model_types, unpatch_model
+from .replay import (
+    SelectionReplayMismatch,
+    enable_selection_replay,
+    replay_context_fn,
+    reset_selection_stats,
+    selection_stats,
+    wrap_layers_for_replay,
+)
 
 __version__ = "0.1.0"
 
@@ -16,5 +24,11 @@ __all__ = [
     "unpatch_model",
     "is_patched",
     "supported_model_types",
+    "enable_selection_replay",
+    "wrap_layers_for_replay",
+    "replay_context_fn",
+    "selection_stats",
+    "reset_selection_stats",
+    "SelectionReplayMismatch",
     "__version__",
 ]

@@ -51,6 +51,8 @@ class HyScaleConfig:
                 raise ValueError(f"HyScaleConfig.{name} must be a positive int or None, got {value!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"HyScaleConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.verify_replay and not self.selection_replay:
+            raise ValueError("HyScaleConfig.verify_replay=True needs selection_replay=True (it checks the replayed selection)")
         if not isinstance(self.indexer_loss_coef, (int, float)) or self.indexer_loss_coef < 0:
             raise ValueError(
                 f"HyScaleConfig.indexer_loss_coef must be a non-negative number, got {self.indexer_loss_coef!r}"

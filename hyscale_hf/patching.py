@@ -125,6 +125,14 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
     undo = family.apply(target, state)
     state.undo.append(undo)
     setattr(target, _STATE_ATTR, state)
+    if cfg.selection_replay:
+        from .replay import enable_selection_replay  # replay imports this module
+
+        try:
+            enable_selection_replay(target)
+        except Exception:
+            unpatch_model(target)
+            raise
     return model
 
 

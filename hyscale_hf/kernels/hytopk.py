@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import _selection_counts, reference
 from ._checks import (
     check_cu_seqlens,
     check_dim,
@@ -39,6 +39,7 @@ def hytopk_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher-visible HyTopK: returns (indices int32 [B, S, topk], scores fp32 [B, S, topk])."""
+    _selection_counts.record_selection_run()  # replayed selections never get here (selection_stats)
     if backend == "triton":
         return _TRITON_KERNEL(
             q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan

@@ -1,0 +1,167 @@
+"""Selection replay on real patched models: a tiny GLM-5 (glm_moe_dsa with an IndexShare "shared"
+layer) and a tiny Llama (indexer added), Transformers gradient checkpointing on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hyscale_hf
+from hyscale_hf import SelectionReplayMismatch, patch_model
+from hyscale_hf.indexer import in_backward
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+B, T, VOCAB = 2, 24, 128
+MODELS = ["glm_moe_dsa", "llama"]
+DENSE_OPTIONS = dict(topk=8, index_n_heads=2, index_head_dim=16)  # T > topk: a real selection
+
+
+def _build(model_type: str, seed: int = 0):
+    if model_type not in hyscale_hf.supported_model_types():
+        pytest.skip(f"{model_type} is not patchable here")
+    if model_type == "glm_moe_dsa":
+        from tests.model_patches.tiny_models import build
+
+        model, config = build("glm_moe_dsa", seed=seed)  # layers: full, shared, full; index_topk 8
+        assert config.indexer_types == ["full", "shared", "full"]
+        return model.train(), {}
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return model.train(), DENSE_OPTIONS
+
+
+def _layout(model_type: str) -> tuple[int, int]:
+    """(full indexer layers, IndexShare shared layers) of the tiny model."""
+    return (2, 1) if model_type == "glm_moe_dsa" else (2, 0)
+
+
+def _patched(model_type: str, seed: int = 0, **config):
+    model, options = _build(model_type, seed)
+    return patch_model(model, **options, **config)
+
+
+def _ids(seed=0):
+    return torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return _grads(model)
+
+
+def _assert_bitwise(a, b):
+    assert set(a) == set(b)
+    bad = [n for n in a if not torch.equal(a[n], b[n])]
+    assert not bad, f"differ: {bad}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    hyscale_hf.reset_selection_stats()
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_checkpointing_replays_selection_with_bitwise_gradients(model_type):
+    ids = _ids()
+    reference = _step(_patched(model_type, selection_replay=False), ids)
+    assert any(".indexer." in n for n in reference), "the indexer must receive gradients (its KL loss)"
+    model = _patched(model_type)
+    model.gradient_checkpointing_enable()
+    hyscale_hf.reset_selection_stats()
+    _assert_bitwise(reference, _step(model, ids))
+    full, shared = _layout(model_type)
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_forward"] == full and stats["indexer_recompute"] == 0
+    assert stats["shared_forward"] == shared and stats["shared_recompute"] == 0
+    assert stats["replayed_selections"] == full + shared
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_without_replay_the_indexer_reruns_in_recompute(model_type):
+    model = _patched(model_type, selection_replay=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _step(model, _ids())
+    assert hyscale_hf.selection_stats()["indexer_recompute"] == _layout(model_type)[0]
+
+
+def test_index_share_with_micro_batches_in_flight():
+    ids = [_ids(1), _ids(2)]
+    ref = _patched("glm_moe_dsa", selection_replay=False)
+    ref.zero_grad()
+    for loss in [ref(input_ids=i, labels=i).loss for i in ids]:  # both graphs alive, then both backwards
+        loss.backward()
+    model = _patched("glm_moe_dsa", verify_replay=True)
+    model.gradient_checkpointing_enable()
+    hyscale_hf.reset_selection_stats()
+    for loss in [model(input_ids=i, labels=i).loss for i in ids]:
+        loss.backward()
+    _assert_bitwise(_grads(ref), _grads(model))
+    stats = hyscale_hf.selection_stats()
+    assert stats["replayed_selections"] == 2 * 3 and stats["verified_selections"] == 2 * 3
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_verify_mode_raises_on_a_perturbed_recompute(model_type):
+    model = _patched(model_type, verify_replay=True)
+    model.gradient_checkpointing_enable()
+    _step(model, _ids())  # unperturbed: verify passes
+    assert hyscale_hf.selection_stats()["verified_selections"] == sum(_layout(model_type))
+    name, wk = next((n, m) for n, m in model.named_modules() if n.endswith("indexer.wk"))
+
+    def perturb_in_recompute(module, args, output):
+        # Flip the indexer keys only in recompute (the same op in both passes, as SAC requires).
+        return output * (-1.0 if in_backward() else 1.0)
+
+    wk.register_forward_hook(perturb_in_recompute)
+    layer = name.rsplit(".self_attn", 1)[0]
+    with pytest.raises(SelectionReplayMismatch, match=rf"HyTopK selection.*'{layer}'"):
+        _step(model, _ids())
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_reentrant_checkpointing_is_refused(model_type):
+    model = _patched(model_type)
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_trainer_with_gradient_checkpointing(model_type, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    data = [{"input_ids": _ids(s)[0], "labels": _ids(s)[0]} for s in range(6)]
+
+    def train(checkpointing):
+        model = _patched(model_type)
+        args = TrainingArguments(output_dir=str(tmp_path / str(checkpointing)), max_steps=3,
+                                 per_device_train_batch_size=2, learning_rate=1e-3, report_to=[],
+                                 save_strategy="no", use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
+                                 dataloader_num_workers=0, gradient_checkpointing=checkpointing)
+        Trainer(model=model, args=args, train_dataset=data).train()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    reference = train(False)
+    hyscale_hf.reset_selection_stats()
+    trained = train(True)
+    stats = hyscale_hf.selection_stats()
+    full, shared = _layout(model_type)
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == 3 * (full + shared)
+    _assert_bitwise(reference, trained)
+
+
+def test_enabling_checkpointing_on_the_inner_model_also_replays():
+    model = _patched("llama")
+    model.model.gradient_checkpointing_enable()  # the decoder stack, not the CausalLM
+    _step(model, _ids())
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == 2
