@@ -46,12 +46,23 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def batches(steps: int) -> list[torch.Tensor]:
+    """Two global batches, alternating: the model memorises them, so the loss falls step by step."""
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (GLOBAL_BATCH, LENGTH), generator=g) for _ in range(steps)]
+    pair = [torch.randint(3, VOCAB, (GLOBAL_BATCH, LENGTH), generator=g) for _ in range(2)]
+    return [pair[i % 2] for i in range(steps)]
 
 
 def eval_tokens() -> torch.Tensor:
     return torch.randint(3, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(2))
+
+
+def sharded_layers(model: torch.nn.Module) -> list[str]:
+    """Decoder layers that are FSDP2 units of their own (directly, or under a CheckpointWrapper)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = model.get_decoder().layers
+    return [type(getattr(m, "_checkpoint_wrapped_module", m)).__name__ for m in layers
+            if isinstance(getattr(m, "_checkpoint_wrapped_module", m), FSDPModule)]
 
 
 def main() -> None:
@@ -84,7 +95,7 @@ def main() -> None:
     model.train()
     for batch in batches(args.steps):
         x = batch[rank * per_rank : (rank + 1) * per_rank].to(accelerator.device)
-        loss = model(input_ids=x, labels=x).loss
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -93,7 +104,8 @@ def main() -> None:
         lm_losses.append(accelerator.reduce(loss.detach(), "mean").item())
         indexer_losses.append(accelerator.reduce(indexer_loss, "mean").item())
 
-    result = {"world": world, "lm_losses": lm_losses, "indexer_losses": indexer_losses}
+    result = {"world": world, "lm_losses": lm_losses, "indexer_losses": indexer_losses,
+              "distributed_type": str(accelerator.distributed_type), "sharded_layers": sharded_layers(model)}
     if args.replay:
         counts = hyscale_hf.selection_stats()
         result["selection_stats"] = {k: accelerator.reduce(torch.tensor(v), "sum").item() for k, v in counts.items()}
