@@ -9,12 +9,17 @@ Run by tests/distributed/test_fsdp2_cpu.py, twice on the same data:
 
 Every sequence has the same length and no padding, so the mean of the two ranks' mean losses is the
 one-process mean loss (LM loss: mean over tokens; indexer KL loss: mean over queries), and FSDP2's
-gradient averaging makes the two runs take the same optimizer steps. The run writes, from rank 0,
-``result.json`` (per-step LM and indexer losses averaged over ranks, selection counters) and
-``logits.pt`` (eval logits after training), and saves the trained model twice: ``final/`` through
-``accelerator.get_state_dict`` + ``save_pretrained`` (a Transformers checkpoint with the indexer
-weights and the ``hyscale_indexer`` record), and ``state/`` through ``accelerator.save_state`` (the
-config's SHARDED_STATE_DICT: torch.distributed.checkpoint shards) with ``config.json`` beside it.
+gradient averaging makes the two runs take the same optimizer steps.
+
+Phase 1 trains all parameters (``--checkpointing``: ``wrap`` = ``hyscale_hf.wrap_layers_for_replay``,
+the FSDP2 recipe). With ``--lora``, phase 2 trains a fresh LoRA model whose indexers train fully as
+PEFT ``modules_to_save`` (``--lora_checkpointing``). Each phase writes, from rank 0, ``result.json``
+(per-step LM and indexer losses averaged over ranks, selection counters summed over ranks) and
+``logits.pt`` (eval logits after training); with ``--save`` it saves ``final/`` through
+``accelerator.get_state_dict`` + ``save_pretrained`` (phase 1: a Transformers checkpoint with the
+indexer weights and the ``hyscale_indexer`` record; phase 2: the adapter), and phase 1 also ``state/``
+through ``accelerator.save_state`` (the config's SHARDED_STATE_DICT: torch.distributed.checkpoint
+shards) with ``config.json`` beside it.
 """
 
 from __future__ import annotations
@@ -65,37 +70,46 @@ def sharded_layers(model: torch.nn.Module) -> list[str]:
             if isinstance(getattr(m, "_checkpoint_wrapped_module", m), FSDPModule)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--replay", action="store_true", help="checkpoint layers with hyscale_hf.wrap_layers_for_replay")
-    parser.add_argument("--save", action="store_true")
-    args = parser.parse_args()
+def indexer_module_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "indexer"]
 
-    accelerator = Accelerator()
+
+def build(lora: bool, checkpointing: str) -> torch.nn.Module:
+    """The patched model, in the order FSDP2 needs: patch (creates the indexer parameters), then PEFT,
+    then the replay layer wrapper, all before ``accelerator.prepare`` shards what exists."""
+    model = hyscale_hf.patch_model(tiny_llama(), **PATCH)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        # LoRA on the attention projections; the indexers train fully next to it (modules_to_save).
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                            modules_to_save=indexer_module_names(model))
+        model = get_peft_model(model, config)
+    if checkpointing == "wrap":  # checkpoint_wrapper around each decoder layer, with the replay policy
+        hyscale_hf.wrap_layers_for_replay(model)
+        model.config.use_cache = False  # a KV cache filled in forward would be appended to again in recompute
+    elif checkpointing == "transformers":  # the layers' own checkpointing; patch_model added the replay policy
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def train(accelerator: Accelerator, model: torch.nn.Module, args, out: Path, save_state: bool) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     if GLOBAL_BATCH % world:
         raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {world} processes")
     per_rank = GLOBAL_BATCH // world
-
-    # Patch (which creates the indexer parameters) and wrap before prepare: FSDP2 shards what exists then.
-    model = hyscale_hf.patch_model(tiny_llama(), **PATCH)
-    if args.replay:
-        hyscale_hf.wrap_layers_for_replay(model)
     state = hyscale_hf.patching.patch_state(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     if accelerator.is_main_process:
         print(f"distributed_type={accelerator.distributed_type} world={world} model={type(model).__name__}", flush=True)
 
-    if args.replay:
-        hyscale_hf.reset_selection_stats()
+    hyscale_hf.reset_selection_stats()
     lm_losses, indexer_losses = [], []
     model.train()
     for batch in batches(args.steps):
         x = batch[rank * per_rank : (rank + 1) * per_rank].to(accelerator.device)
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss = model(input_ids=x, labels=x).loss
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -104,27 +118,50 @@ def main() -> None:
         lm_losses.append(accelerator.reduce(loss.detach(), "mean").item())
         indexer_losses.append(accelerator.reduce(indexer_loss, "mean").item())
 
-    result = {"world": world, "lm_losses": lm_losses, "indexer_losses": indexer_losses,
-              "distributed_type": str(accelerator.distributed_type), "sharded_layers": sharded_layers(model)}
-    if args.replay:
-        counts = hyscale_hf.selection_stats()
-        result["selection_stats"] = {k: accelerator.reduce(torch.tensor(v), "sum").item() for k, v in counts.items()}
+    counts = hyscale_hf.selection_stats()
+    result = {
+        "world": world, "lm_losses": lm_losses, "indexer_losses": indexer_losses,
+        "distributed_type": str(accelerator.distributed_type), "sharded_layers": sharded_layers(model),
+        "selection_stats": {k: accelerator.reduce(torch.tensor(v), "sum").item() for k, v in counts.items()},
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+    }
 
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=eval_tokens().to(accelerator.device)).logits
 
     if args.save:
-        full = accelerator.get_state_dict(model)  # gathered on every rank's CPU (FSDP2: full_state_dict)
+        full = accelerator.get_state_dict(model)  # FSDP2: a full state dict on every rank's CPU
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(args.out / "final", state_dict=full)
-        accelerator.save_state(args.out / "state")
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(model).config.save_pretrained(args.out / "state")
+            accelerator.unwrap_model(model).save_pretrained(out / "final", state_dict=full)
+        if save_state:
+            accelerator.save_state(out / "state")  # SHARDED_STATE_DICT: torch.distributed.checkpoint shards
+            if accelerator.is_main_process:
+                accelerator.unwrap_model(model).config.save_pretrained(out / "state")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        torch.save(logits.cpu(), args.out / "logits.pt")
-        (args.out / "result.json").write_text(json.dumps(result))
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(logits.cpu(), out / "logits.pt")
+        (out / "result.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--checkpointing", choices=["none", "wrap", "transformers"], default="none",
+                        help="wrap: hyscale_hf.wrap_layers_for_replay; transformers: model.gradient_checkpointing_enable()")
+    parser.add_argument("--lora", action="store_true", help="then train a LoRA + indexer model (out/lora)")
+    parser.add_argument("--lora_checkpointing", choices=["none", "wrap", "transformers"], default="transformers")
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+
+    accelerator = Accelerator()
+    train(accelerator, build(lora=False, checkpointing=args.checkpointing), args, args.out, save_state=True)
+    if args.lora:
+        # A second Accelerator shares the process state (and process group) but not the prepared objects.
+        lora_accelerator = Accelerator()
+        train(lora_accelerator, build(lora=True, checkpointing=args.lora_checkpointing), args, args.out / "lora", save_state=False)
     accelerator.end_training()
 
 
