@@ -23,6 +23,7 @@ refused with a ``ValueError``. ``selection_stats()`` counts what ran where; veri
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -217,7 +218,19 @@ _REENTRANT_MESSAGE = (
     "selection_replay=False to recompute the selection instead."
 )
 _HANDLE_ATTR = "_hyscale_replay"
-_MISSING = object()
+
+
+class _Missing:
+    """'No instance attribute was there' (survives deepcopy as itself)."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_MISSING = _Missing()
 # Entry points and the name of their checkpoint-kwargs argument (5.17: gradient_checkpointing_enable
 # only; 5.23+: activation_checkpointing_enable, with gradient_checkpointing_enable a deprecated alias).
 _ENTRY_KWARG = {
@@ -325,33 +338,67 @@ def _entry_points(model: torch.nn.Module) -> list[str]:
     return []
 
 
-def _wrap_entry_point(owner: torch.nn.Module, name: str, model: torch.nn.Module, verify: Callable[[], bool]):
-    """``owner.<name>`` that injects non-reentrant kwargs, then installs the policy on all of ``model``
-    (``owner`` is ``model`` or a Transformers model nested in it, e.g. ``model.model``)."""
-    original = getattr(owner, name)
-    kwarg_name = _ENTRY_KWARG[name]
+# What enable_selection_replay leaves on a model is held in objects, not closures: deepcopy of a
+# patched model (e.g. a frozen reference model) then yields an independent model whose wrappers,
+# verify switch and undo refer to the copy, never to the original.
 
-    @functools.wraps(original)
-    def enable_with_replay(*args, **kwargs):
+
+class _EnableWithReplay:
+    """``owner.<name>`` replaced: injects non-reentrant kwargs, calls the entry point it replaces,
+    then installs the policy on all of ``model`` (``owner`` is ``model`` or a Transformers model
+    nested in it, e.g. ``model.model``)."""
+
+    def __init__(self, owner: torch.nn.Module, name: str, model: torch.nn.Module, verify, previous) -> None:
+        self.owner, self.name, self.model, self.verify, self.previous = owner, name, model, verify, previous
+        original = self._original()
+        self.__doc__ = original.__doc__
+        self.__signature__ = inspect.signature(original)  # PEFT inspects the entry point's parameters
+
+    def _original(self):
+        if self.previous is not _MISSING:
+            return self.previous
+        return getattr(type(self.owner), self.name).__get__(self.owner)
+
+    def __call__(self, *args, **kwargs):
         if args:
             args = (_checked_checkpoint_kwargs(args[0]), *args[1:])
         else:
-            key = next((k for k in _ENTRY_KWARG.values() if k in kwargs), kwarg_name)
+            key = next((k for k in _ENTRY_KWARG.values() if k in kwargs), _ENTRY_KWARG[self.name])
             kwargs[key] = _checked_checkpoint_kwargs(kwargs.get(key))
-        result = original(*args, **kwargs)
-        _install_policy(model, verify)
+        result = self._original()(*args, **kwargs)
+        _install_policy(self.model, self.verify)
         return result
 
-    return enable_with_replay
+
+class _VerifySwitch:
+    """Verify mode as read at each checkpoint call: fixed, or the patched model's live config."""
+
+    def __init__(self, model: torch.nn.Module, verify: bool | None) -> None:
+        self.model, self.verify = model, verify
+
+    def __call__(self) -> bool:
+        if self.verify is not None:
+            return bool(self.verify)
+        state = patch_state(self.model)
+        return bool(state is not None and state.config.verify_replay)
 
 
-def _verify_source(model: torch.nn.Module, verify: bool | None) -> Callable[[], bool]:
-    if verify is not None:
-        return lambda: bool(verify)
-    state = patch_state(model)
-    if state is None:
-        return lambda: False
-    return lambda: bool(state.config.verify_replay)
+class _UndoReplay:
+    """Undo of enable_selection_replay (run by unpatch_model; a second run does nothing)."""
+
+    def __init__(self, model: torch.nn.Module, entries: list) -> None:
+        self.model, self.entries = model, entries
+
+    def __call__(self) -> None:
+        if self.model.__dict__.get(_HANDLE_ATTR) is not self:
+            return
+        for owner, name, value in self.entries:
+            if value is _MISSING:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, value)
+        _remove_policy(self.model)
+        del self.model.__dict__[_HANDLE_ATTR]
 
 
 def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = None) -> Callable[[], None]:
@@ -378,7 +425,7 @@ def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = Non
     existing = target.__dict__.get(_HANDLE_ATTR)
     if existing is not None:
         return existing
-    verify_fn = _verify_source(target, verify)
+    verify_fn = _VerifySwitch(target, verify)
     if not _entry_points(target):
         raise TypeError(
             f"{type(target).__name__} has no gradient_checkpointing_enable / activation_checkpointing_enable; "
@@ -390,20 +437,9 @@ def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = Non
     # must install the policy.
     owners = [(m, _entry_points(m)) for m in target.modules()]
     previous = [(m, name, m.__dict__.get(name, _MISSING)) for m, names in owners for name in names]
-    for owner, name, _ in previous:
-        setattr(owner, name, _wrap_entry_point(owner, name, target, verify_fn))
-
-    def undo() -> None:
-        if target.__dict__.get(_HANDLE_ATTR) is not undo:
-            return
-        for owner, name, value in previous:
-            if value is _MISSING:
-                owner.__dict__.pop(name, None)
-            else:
-                setattr(owner, name, value)
-        _remove_policy(target)
-        del target.__dict__[_HANDLE_ATTR]
-
+    for owner, name, value in previous:
+        setattr(owner, name, _EnableWithReplay(owner, name, target, verify_fn, value))
+    undo = _UndoReplay(target, previous)
     target.__dict__[_HANDLE_ATTR] = undo
     if patch_state(target) is not None:
         add_undo(target, undo)
@@ -411,6 +447,17 @@ def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = Non
 
 
 # ----------------------------------------------------------------------------- layers checkpointed by hand
+
+
+class _UnwrapLayers:
+    """Undo of wrap_layers_for_replay: puts the original layers back (an object, for deepcopy)."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+
+    def __call__(self) -> None:
+        for parent, child_name, child in self.layers:
+            setattr(parent, child_name, child)
 
 
 def _default_layer_filter(module: torch.nn.Module) -> bool:
@@ -465,7 +512,7 @@ def wrap_layers_for_replay(
             "enable_selection_replay with Transformers' checkpointing instead."
         )
     keep = layer_filter or _default_layer_filter
-    verify_fn = _verify_source(target, verify)
+    verify_fn = _VerifySwitch(target, verify)
     chosen, already_wrapped = [], 0
     for parent_name, parent in target.named_modules():
         if not isinstance(parent, torch.nn.ModuleList):
@@ -483,7 +530,7 @@ def wrap_layers_for_replay(
             if keep(child):
                 chosen.append((parent, child_name, fqn, child))
     if not chosen and already_wrapped:
-        return lambda: None  # wrapped before: its undo is the one to run
+        return _UnwrapLayers([])  # wrapped before: its undo is the one to run
     if not chosen:
         raise ValueError("wrap_layers_for_replay found no decoder layers to wrap; pass layer_filter=...")
     for parent, child_name, fqn, child in chosen:
@@ -495,10 +542,7 @@ def wrap_layers_for_replay(
         )
         setattr(parent, child_name, wrapped)
 
-    def undo() -> None:
-        for parent, child_name, _, child in chosen:
-            setattr(parent, child_name, child)
-
+    undo = _UnwrapLayers([(parent, child_name, child) for parent, child_name, _, child in chosen])
     if patch_state(target) is not None:
         add_undo(target, undo)
     return undo

@@ -1,9 +1,11 @@
 """A toy DSA stack for the selection-replay tests: Transformers checkpointing layers whose attention
 runs HyTopK (or, for IndexShare "shared" layers, reuse_indices) and sparse attention, with the
-indexer KL loss attached, as a patched model does. Registered as the family "hyscale_toy" so
-``patch_model`` drives it like a real model."""
+indexer KL loss attached, as a patched model does. Inside ``toy_family()`` it is the registered
+family "hyscale_toy", so ``patch_model`` drives it like a real model."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
 
-from hyscale_hf import hytopk, indexer_kl_loss, sparse_attention
+from hyscale_hf import hytopk, indexer_kl_loss, patching, sparse_attention
 from hyscale_hf.indexer import attach_indexer_loss
 from hyscale_hf.patching import register_family, supported_model_types
 from hyscale_hf.replay import reuse_indices
@@ -138,8 +140,16 @@ def _apply(model, state):
     return undo
 
 
-if "hyscale_toy" not in supported_model_types():
-    register_family("hyscale_toy", _apply, "dsa")
+@contextlib.contextmanager
+def toy_family():
+    """Register "hyscale_toy" only while the replay tests run: registry-contract tests elsewhere
+    expect every registered family to be a real one (there is no public unregister)."""
+    if "hyscale_toy" not in supported_model_types():
+        register_family("hyscale_toy", _apply, "dsa")
+    try:
+        yield
+    finally:
+        patching._FAMILIES.pop("hyscale_toy", None)
 
 
 def make_toy(seed: int = 0, **config) -> ToyModel:

@@ -47,6 +47,12 @@ def _reference_grads(ids, **config):
     return _step(model, ids)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _toy_family():
+    with replay_toy.toy_family():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_stats():
     hyscale_hf.reset_selection_stats()
@@ -350,3 +356,23 @@ def test_transformers_517_entry_point():
     assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
     unpatch_model(model)
     assert "gradient_checkpointing_enable" not in model.__dict__
+
+
+def test_deepcopy_of_a_patched_model_is_independent():
+    import copy
+
+    model = patch_model(make_toy())
+    model.gradient_checkpointing_enable()
+    clone = copy.deepcopy(model)
+    entry = next(n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable") if n in vars(clone))
+    assert vars(clone)[entry].model is clone and vars(model)[entry].model is model
+    clone.gradient_checkpointing_disable()
+    clone.gradient_checkpointing_enable(every_n_layers=2)  # acts on the clone only
+    assert [layer.gradient_checkpointing for layer in model.layers] == [True] * N_LAYERS
+    assert [layer.gradient_checkpointing for layer in clone.layers] == [True, False, True, False]
+    _assert_bitwise(_reference_grads(_ids()), _step(clone, _ids()))
+    assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
+    unpatch_model(clone)
+    assert entry not in vars(clone) and entry in vars(model) and hyscale_hf.is_patched(model)
+    assert isinstance(model.layers[0]._gradient_checkpointing_func, _ReplayCheckpointFunc)
+    assert not isinstance(clone.layers[0]._gradient_checkpointing_func, _ReplayCheckpointFunc)
