@@ -74,40 +74,62 @@ def indexer_module_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "indexer"]
 
 
-def build(lora: bool, checkpointing: str) -> torch.nn.Module:
+def tiny_glm5() -> torch.nn.Module:
+    """A tiny GLM-5 (glm_moe_dsa: MLA, MoE, IndexShare layers full/shared/full) from the patch tests."""
+    from tests.model_patches.tiny_models import build
+
+    model, _ = build("glm_moe_dsa", seed=0)
+    return model
+
+
+# name -> (model, patch options, LoRA, checkpointing, what --save writes)
+PHASES = {
+    # All parameters; layers wrapped by hyscale_hf.wrap_layers_for_replay (the FSDP2 recipe).
+    "full": ("llama", PATCH, False, "wrap", ("final", "state")),
+    # LoRA on q/v + the indexers as PEFT modules_to_save, under Transformers' checkpointing (patch_model
+    # gave it the replay policy): PEFT cannot save modules_to_save inside checkpoint_wrapper'd layers.
+    "lora": ("llama", PATCH, True, "transformers", ("final",)),
+    # GLM-5 shaped: its own indexer (index_topk 8 < 32 tokens), IndexShare, MoE; wrapped for replay.
+    "glm5": ("glm_moe_dsa", dict(indexer_loss_coef=1.0, backend="torch"), False, "wrap", ("final",)),
+}
+
+
+def build(phase: str) -> torch.nn.Module:
     """The patched model, in the order FSDP2 needs: patch (creates the indexer parameters), then PEFT,
-    then the replay layer wrapper, all before ``accelerator.prepare`` shards what exists."""
-    model = hyscale_hf.patch_model(tiny_llama(), **PATCH)
+    then the checkpointing, all before ``accelerator.prepare`` shards what exists."""
+    family, options, lora, checkpointing, _ = PHASES[phase]
+    model = hyscale_hf.patch_model(tiny_llama() if family == "llama" else tiny_glm5(), **options)
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        # LoRA on the attention projections; the indexers train fully next to it (modules_to_save).
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                             modules_to_save=indexer_module_names(model))
         model = get_peft_model(model, config)
     if checkpointing == "wrap":  # checkpoint_wrapper around each decoder layer, with the replay policy
         hyscale_hf.wrap_layers_for_replay(model)
         model.config.use_cache = False  # a KV cache filled in forward would be appended to again in recompute
-    elif checkpointing == "transformers":  # the layers' own checkpointing; patch_model added the replay policy
+    elif checkpointing == "transformers":
         model.gradient_checkpointing_enable()
     return model
 
 
-def train(accelerator: Accelerator, model: torch.nn.Module, args, out: Path, save_state: bool) -> None:
+def train(accelerator: Accelerator, phase: str, steps: int, out: Path, save: bool) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     if GLOBAL_BATCH % world:
         raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {world} processes")
     per_rank = GLOBAL_BATCH // world
+    model = build(phase)
     state = hyscale_hf.patching.patch_state(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     if accelerator.is_main_process:
-        print(f"distributed_type={accelerator.distributed_type} world={world} model={type(model).__name__}", flush=True)
+        print(f"{phase}: distributed_type={accelerator.distributed_type} world={world} "
+              f"model={type(model).__name__}", flush=True)
 
     hyscale_hf.reset_selection_stats()
     lm_losses, indexer_losses = [], []
     model.train()
-    for batch in batches(args.steps):
+    for batch in batches(steps):
         x = batch[rank * per_rank : (rank + 1) * per_rank].to(accelerator.device)
         loss = model(input_ids=x, labels=x).loss
         accelerator.backward(loss)
@@ -130,14 +152,15 @@ def train(accelerator: Accelerator, model: torch.nn.Module, args, out: Path, sav
     with torch.no_grad():
         logits = model(input_ids=eval_tokens().to(accelerator.device)).logits
 
-    if args.save:
+    writes = PHASES[phase][4] if save else ()
+    if "final" in writes:
         full = accelerator.get_state_dict(model)  # FSDP2: a full state dict on every rank's CPU
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).save_pretrained(out / "final", state_dict=full)
-        if save_state:
-            accelerator.save_state(out / "state")  # SHARDED_STATE_DICT: torch.distributed.checkpoint shards
-            if accelerator.is_main_process:
-                accelerator.unwrap_model(model).config.save_pretrained(out / "state")
+    if "state" in writes:
+        accelerator.save_state(out / "state")  # SHARDED_STATE_DICT: torch.distributed.checkpoint shards
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).config.save_pretrained(out / "state")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -148,20 +171,24 @@ def train(accelerator: Accelerator, model: torch.nn.Module, args, out: Path, sav
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--checkpointing", choices=["none", "wrap", "transformers"], default="none",
-                        help="wrap: hyscale_hf.wrap_layers_for_replay; transformers: model.gradient_checkpointing_enable()")
-    parser.add_argument("--lora", action="store_true", help="then train a LoRA + indexer model (out/lora)")
-    parser.add_argument("--lora_checkpointing", choices=["none", "wrap", "transformers"], default="transformers")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {list(PHASES)}")
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
+    phases = args.phases.split(",")
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        raise ValueError(f"--phases: unknown {unknown}; known: {list(PHASES)}")
 
     accelerator = Accelerator()
-    train(accelerator, build(lora=False, checkpointing=args.checkpointing), args, args.out, save_state=True)
-    if args.lora:
-        # A second Accelerator shares the process state (and process group) but not the prepared objects.
-        lora_accelerator = Accelerator()
-        train(lora_accelerator, build(lora=True, checkpointing=args.lora_checkpointing), args, args.out / "lora", save_state=False)
+    for phase in phases:
+        # One Accelerator per phase: they share the process state and group, not the prepared objects.
+        # They also share the FSDP plugin, whose first prepare fixed the layer classes to wrap from that
+        # model's _no_split_modules: clear them so the next model family gets its own.
+        plugin = getattr(accelerator.state, "fsdp_plugin", None) if accelerator.is_fsdp2 else None
+        if plugin is not None and "FSDP_TRANSFORMER_CLS_TO_WRAP" not in os.environ:
+            plugin.transformer_cls_names_to_wrap = None
+        train(Accelerator(), phase, args.steps, args.out / phase, args.save)
     accelerator.end_training()
 
 
