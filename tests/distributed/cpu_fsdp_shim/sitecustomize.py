@@ -7,20 +7,30 @@ only by the simple launcher). On a machine without a GPU, ``accelerate launch --
 scripts/accelerate/fsdp2_cpu_gloo.yaml`` therefore starts processes that are not distributed at all.
 
 With ``HYSCALE_CPU_FSDP=1`` in the environment of a launched worker (``LOCAL_RANK`` set), this module
-(on ``PYTHONPATH``, imported by Python at startup) makes accelerate (1) take the CPU/gloo backend and
-(2) keep the FSDP plugin it built from the launcher's ``FSDP_*`` variables, so ``accelerator.prepare``
-runs accelerate's own FSDP2 path (``fsdp2_prepare_model`` -> ``fully_shard``) on CPU tensors. Nothing
-else changes; GPU runs never load it.
+(on ``PYTHONPATH``, imported by Python at startup) makes accelerate (1) take the CPU/gloo backend
+(``PartialState`` always built with ``cpu=True``, also when Transformers' ``TrainingArguments`` builds
+it) and (2) keep the FSDP plugin it built from the launcher's ``FSDP_*`` variables, so
+``accelerator.prepare`` (and the Trainer) run accelerate's own FSDP2 path (``fsdp2_prepare_model`` ->
+``fully_shard``) on CPU tensors. Nothing else changes; GPU runs never load it.
 """
 
 import os
 
 
 def _install() -> None:
-    os.environ["ACCELERATE_USE_CPU"] = "true"  # PartialState: gloo backend, MULTI_CPU, device cpu
+    os.environ["ACCELERATE_USE_CPU"] = "true"  # read by AcceleratorState
 
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
+
+    # PartialState ignores ACCELERATE_USE_CPU, and Transformers' TrainingArguments builds it first
+    # (cpu=use_cpu): without a GPU and cpu=False it would not be distributed. Always CPU: gloo, MULTI_CPU.
+    original_partial_init = PartialState.__init__
+
+    def partial_init_on_cpu(self, cpu: bool = False, **kwargs):
+        original_partial_init(self, True, **kwargs)
+
+    PartialState.__init__ = partial_init_on_cpu
 
     original_init = AcceleratorState.__init__
 
