@@ -32,13 +32,16 @@ class PatchState:
 
     ``config`` is live: the Trainer callback flips ``config.dense_warmup`` and patched modules
     read it on every forward. ``indexer_losses`` collects each full indexer layer's detached loss
-    since the last ``pop_indexer_loss`` (for logging).
+    since the last ``pop_indexer_loss`` (for logging). ``selection_probe`` is set only while
+    ``hyscale_hf.training`` samples top-k recall; patched modules report to it through
+    ``hyscale_hf.training.observe_selection`` (a no-op while it is None).
     """
 
     config: HyScaleConfig
     family: ModelFamily
     undo: list[Callable[[], None]] = field(default_factory=list)
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
+    selection_probe: Callable[..., None] | None = None
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())

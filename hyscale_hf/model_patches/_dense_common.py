@@ -41,6 +41,7 @@ from ..indexer import LightningIndexer, attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
 from ..patching import PatchState
+from ..training import observe_selection
 from ._dense_cache import indexer_cache_layer
 from ._dense_visibility import Visibility, visibility
 from ._dense_weights import RECORD_ATTR, load_saved_indexers
@@ -114,6 +115,8 @@ def dense_sparse_attention(module, query, key, value, attention_mask, dropout=0.
     vis = visibility(attention_mask, kwargs, B, S, T, sliding_window, query.device)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     relu = bool(cfg.relu)
+    observe_selection(state, iq, ik, iw, q, k, scale=scaling, relu=relu, cu_seqlens=vis.cu_seqlens,
+                      window_start=vis.window_start)  # top-k recall sampling (no-op otherwise)
     want_loss = module.training and torch.is_grad_enabled() and cfg.indexer_loss_coef > 0
     if cfg.dense_warmup:
         out = _dense_attention(q, k, v, vis, scaling)

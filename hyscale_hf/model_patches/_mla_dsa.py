@@ -30,6 +30,7 @@ from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
 from ..patching import PatchState
 from ..replay import reuse_indices
+from ..training import observe_selection
 
 ATTN_IMPLEMENTATION = "hyscale_dsa"
 
@@ -445,6 +446,8 @@ def mla_dsa_attention_forward(
             sin.detach(), position_ids,
         )
         index_k = _indexer_keys(cache, self.layer_idx, new_keys, past, T)
+        observe_selection(state, index_q, index_k, index_w, attn_q, attn_k, scale=self.scaling, relu=cfg.relu,
+                          cu_seqlens=cu_seqlens, window_start=window_start)  # top-k recall sampling (no-op otherwise)
 
     sinks = family.sinks(self)
     topk_indices = loss_indices = None

@@ -1,0 +1,112 @@
+"""scripts/finetune_long.py end to end at --tiny settings (offline, CPU), and its pieces."""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import hyscale_hf
+from hyscale_hf.recipes.data import byte_tokenizer, pack, stdlib_documents
+from hyscale_hf.recipes.passkey import PasskeyBuilder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(tmp_path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "finetune_long.py"), "--tiny", "--no_progress", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = run_script(tmp_path, "--output_dir", str(out))
+    assert "passkey" in proc.stdout and "top-k recall" in proc.stdout
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["max_steps"] == 6 and results["dense_pretrain_steps"] == 1 and results["dense_warmup_steps"] == 2
+    assert 0.0 < results["topk_recall_held_out"] <= 1.0
+    assert set(results["passkey_per_depth"]) == {"0.0", "1.0"}
+    assert 0.0 <= results["passkey_accuracy"] <= 1.0
+    assert results["reload_max_abs_logit_diff"] == 0.0  # saved checkpoint, reloaded and patched, gives the same logits
+    assert (out / "loss_curve.png").stat().st_size > 10_000
+    stats = results["selection_stats"]
+    assert stats["indexer_forward"] > 0 and stats["indexer_recompute"] == 0 and stats["replayed_selections"] > 0
+
+    history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+    assert [e["hyscale_stage"] for e in history] == [0.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(e["indexer_loss"] > 0 for e in history)
+
+    # The checkpoint loads in a fresh process state: from_pretrained + patch_model with the saved config.
+    from transformers import AutoModelForCausalLM
+
+    config = hyscale_hf.HyScaleConfig(**json.loads((out / "hyscale_config.json").read_text()))
+    assert not config.dense_warmup and config.topk == 32
+    model = hyscale_hf.patch_model(AutoModelForCausalLM.from_pretrained(str(out)).eval(), config)
+    ids = torch.tensor([byte_tokenizer()("def f(x):\n    return x\n" * 8)["input_ids"]])
+    with torch.no_grad():
+        first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
+    assert torch.isfinite(first).all() and torch.equal(first, second)
+
+
+def test_local_dense_model_with_lora(tmp_path):
+    """--model: a local Llama checkpoint (the patch adds the indexer), LoRA adapters + a fully trained indexer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "run"
+    run_script(tmp_path, "--model", str(tmp_path / "llama"), "--topk", "32", "--index_n_heads", "2",
+               "--index_head_dim", "8", "--lora_r", "4", "--output_dir", str(out))
+    results = json.loads((out / "results.json").read_text())
+    assert results["dense_pretrain_steps"] == 0 and results["topk"] == 32
+    assert 0.0 < results["topk_recall_held_out"] <= 1.0
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(saved["modules_to_save"]) == ["model.layers.0.self_attn.indexer", "model.layers.1.self_attn.indexer"]
+    assert not any("indexer" in t for t in saved["target_modules"])
+    history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+    assert [e["hyscale_stage"] for e in history] == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_console_script_entry_point():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    line = cfg["options.entry_points"]["console_scripts"].strip()
+    name, target = (part.strip() for part in line.split("="))
+    assert name == "hyscale-finetune-long"
+    module, func = target.split(":")
+    assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_packing_and_passkey_prompts():
+    tok = byte_tokenizer()
+    assert len(tok) == 259
+    docs = stdlib_documents(20_000, seed=1)
+    assert sum(map(len, docs)) >= 20_000 and all(len(d) >= 4000 for d in docs)
+    blocks = pack(docs, tok, 512)
+    assert len(blocks) >= 30 and all(len(b) == 512 for b in blocks["input_ids"][:5])
+    assert blocks["input_ids"][0] == blocks["labels"][0]
+
+    builder = PasskeyBuilder(tok, 600)
+    shallow, deep = builder.sample(0.0, "12345"), builder.sample(1.0, "12345")
+    assert len(shallow.input_ids) == len(deep.input_ids) <= 600
+    text = tok.decode(deep.input_ids)
+    assert text.endswith("The pass key is 12345") and text.index("pass key is 12345.") > 400
+    assert tok.decode(shallow.input_ids[-shallow.answer_len :]) == " 12345"
+    assert tok.decode(shallow.input_ids).index("pass key is 12345.") < 250
