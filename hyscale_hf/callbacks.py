@@ -110,8 +110,10 @@ class HyScaleCallback(TrainerCallback):
 
     def add_to(self, trainer) -> HyScaleCallback:
         """Add this callback to ``trainer`` ahead of its other callbacks (reporting integrations
-        included), so every logger sees the values it adds. Returns the callback."""
-        trainer.callback_handler.callbacks.insert(0, self)
+        included), so every logger sees the values it adds; if it was passed to the Trainer already,
+        it moves to the front. Returns the callback."""
+        callbacks = trainer.callback_handler.callbacks
+        callbacks[:] = [self] + [c for c in callbacks if c is not self]
         return self
 
     def _reset_window(self) -> None:

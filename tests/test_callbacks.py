@@ -133,6 +133,8 @@ def test_add_to_runs_before_reporting_callbacks(tmp_path):
     trainer = make_trainer(model, tmp_path, None, max_steps=2)
     callback = HyScaleCallback(dense_warmup_steps=1).add_to(trainer)
     assert trainer.callback_handler.callbacks[0] is callback
+    assert callback.add_to(trainer) is callback  # a second call moves it, never duplicates it
+    assert sum(c is callback for c in trainer.callback_handler.callbacks) == 1
     seen = []
 
     class Reporter(TrainerCallback):

@@ -288,8 +288,9 @@ def main(argv=None) -> dict:
     if trainer.is_world_process_zero():
         (out / "hyscale_config.json").write_text(json.dumps(dataclasses.asdict(live_config), indent=2))
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        if args.lora_r == 0:
-            results["reload_max_abs_logit_diff"] = reload_check(AutoModelForCausalLM, out, live_config, model,
+        # A sharded (FSDP) model cannot run a forward on one rank alone: check reloads in one-process runs.
+        if args.lora_r == 0 and world_size == 1:
+            results["reload_max_abs_logit_diff"] = reload_check(AutoModelForCausalLM, out, model,
                                                                  eval_ids[:, : min(256, eval_ids.shape[1])])
         curve = plot_training_curves(trainer.state.log_history, args.dense_warmup_steps, out / "loss_curve.png",
                                      title=f"{results['model']}, {args.seq_len} tokens, top-{live_config.topk}",
@@ -301,7 +302,7 @@ def main(argv=None) -> dict:
     return results
 
 
-def reload_check(auto_cls, out: Path, live_config, model, ids: torch.Tensor) -> float:
+def reload_check(auto_cls, out: Path, model, ids: torch.Tensor) -> float:
     """Load the saved checkpoint, patch it with the saved HyScaleConfig, and compare logits."""
     saved = hyscale_hf.HyScaleConfig(**json.loads((out / "hyscale_config.json").read_text()))
     device = next(model.parameters()).device
