@@ -1,25 +1,25 @@
-"""Train a tiny patched Llama for a few steps with accelerate, under FSDP2 or in one process.
+"""Train tiny patched models for a few steps with accelerate, under FSDP2 or in one process.
 
 Run by tests/distributed/test_fsdp2_cpu.py, twice on the same data:
 
 - ``accelerate launch --config_file scripts/accelerate/fsdp2_cpu_gloo.yaml`` (2 processes; each
   takes half of every global batch; accelerate's FSDP2 path shards the decoder layers, embeddings and
-  the added indexer parameters);
+  the indexer parameters);
 - plain ``python`` (one process, the whole global batch, no sharding).
 
 Every sequence has the same length and no padding, so the mean of the two ranks' mean losses is the
 one-process mean loss (LM loss: mean over tokens; indexer KL loss: mean over queries), and FSDP2's
 gradient averaging makes the two runs take the same optimizer steps.
 
-Phase 1 trains all parameters (``--checkpointing``: ``wrap`` = ``hyscale_hf.wrap_layers_for_replay``,
-the FSDP2 recipe). With ``--lora``, phase 2 trains a fresh LoRA model whose indexers train fully as
-PEFT ``modules_to_save`` (``--lora_checkpointing``). Each phase writes, from rank 0, ``result.json``
-(per-step LM and indexer losses averaged over ranks, selection counters summed over ranks) and
-``logits.pt`` (eval logits after training); with ``--save`` it saves ``final/`` through
-``accelerator.get_state_dict`` + ``save_pretrained`` (phase 1: a Transformers checkpoint with the
-indexer weights and the ``hyscale_indexer`` record; phase 2: the adapter), and phase 1 also ``state/``
-through ``accelerator.save_state`` (the config's SHARDED_STATE_DICT: torch.distributed.checkpoint
-shards) with ``config.json`` beside it.
+``--phases`` (see ``PHASES``): ``full`` (Llama with an added indexer, all parameters,
+``wrap_layers_for_replay``), ``lora`` (LoRA + the indexers as PEFT ``modules_to_save``, Transformers'
+checkpointing with replay), ``glm5`` (tiny glm_moe_dsa, ``wrap_layers_for_replay``). Each phase
+writes to ``OUT/<phase>/``, from rank 0: ``result.json`` (per-step LM and indexer losses averaged over
+ranks, selection counters summed over ranks) and ``logits.pt`` (eval logits after training); with
+``--save`` also ``final/`` through ``accelerator.get_state_dict`` + ``save_pretrained`` (a
+Transformers checkpoint, or the adapter for ``lora``) and, for ``full``, ``state/`` through
+``accelerator.save_state`` (the config's SHARDED_STATE_DICT: torch.distributed.checkpoint shards)
+with ``config.json`` beside it.
 """
 
 from __future__ import annotations
@@ -70,10 +70,6 @@ def sharded_layers(model: torch.nn.Module) -> list[str]:
             if isinstance(getattr(m, "_checkpoint_wrapped_module", m), FSDPModule)]
 
 
-def indexer_module_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "indexer"]
-
-
 def tiny_glm5() -> torch.nn.Module:
     """A tiny GLM-5 (glm_moe_dsa: MLA, MoE, IndexShare layers full/shared/full) from the patch tests."""
     from tests.model_patches.tiny_models import build
@@ -103,7 +99,7 @@ def build(phase: str) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                            modules_to_save=indexer_module_names(model))
+                            modules_to_save=hyscale_hf.indexer_modules_to_save(model))
         model = get_peft_model(model, config)
     if checkpointing == "wrap":  # checkpoint_wrapper around each decoder layer, with the replay policy
         hyscale_hf.wrap_layers_for_replay(model)

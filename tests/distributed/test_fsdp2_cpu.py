@@ -1,16 +1,17 @@
-"""accelerate FSDP2 on 2 CPU processes (gloo) with a tiny patched Llama, against one process.
+"""accelerate FSDP2 on 2 CPU processes (gloo) with tiny patched models, against one process.
 
 ``fsdp2_tiny_train.py`` runs twice on the same data and initial weights: under ``accelerate launch
 --config_file scripts/accelerate/fsdp2_cpu_gloo.yaml`` (2 processes, FSDP2) and as one plain process
-(no sharding). Each run trains (1) all parameters with the decoder layers wrapped by
-``hyscale_hf.wrap_layers_for_replay`` and (2) LoRA adapters plus the indexers (PEFT
+(no sharding). Each run trains, in turn: (1) a Llama with an added indexer, all parameters, decoder
+layers wrapped by ``hyscale_hf.wrap_layers_for_replay``; (2) LoRA adapters plus the indexers (PEFT
 ``modules_to_save``) under Transformers' gradient checkpointing, which ``patch_model`` rewires for
-replay, and (3) a tiny GLM-5 (glm_moe_dsa: its own indexer, IndexShare, MoE) wrapped for replay. The per-step LM and indexer losses must agree (fp32), the indexer must never rerun in a
-checkpoint recompute, and the checkpoints written under FSDP2 must load back into one process and
-patch again with the trained indexers (same logits as the distributed model).
+replay; (3) a tiny GLM-5 (glm_moe_dsa: its own indexer, IndexShare, MoE) wrapped for replay. The
+per-step LM and indexer losses must agree (fp32), the indexer must never rerun in a checkpoint
+recompute, and the checkpoints written under FSDP2 must load back into one process and patch again
+with the trained indexers (same logits as the distributed model).
 
 accelerate 1.15 enables FSDP only on GPUs; ``cpu_fsdp_shim/sitecustomize.py`` lets it run its FSDP2
-path on CPU processes (see its docstring). The whole module takes ~45 s on a 2-core machine.
+path on CPU processes (see its docstring). ~35-60 s on a 2-core machine, depending on its load.
 """
 
 from __future__ import annotations
