@@ -272,6 +272,9 @@ def main(argv=None) -> dict:
     passkey = passkey_accuracy(model, builder, args.depths, args.passkey_trials, seed=args.seed + 1)
 
     # ---- save, reload, compare
+    if trainer.is_fsdp_enabled:
+        # FSDP with SHARDED_STATE_DICT: save_model would write no weights; gather a full checkpoint.
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(out))
     results = {
         "model": args.model or "glm_moe_dsa (random init, built in code)",

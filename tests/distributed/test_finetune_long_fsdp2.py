@@ -28,12 +28,6 @@ def _log(out) -> list[dict]:
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="scripts/finetune_long.py is not on this branch")
-@pytest.mark.xfail(
-    strict=True,
-    reason="hyscale_hf/recipes/finetune_long.py under FSDP2 (SHARDED_STATE_DICT): trainer.save_model writes no "
-    "weights. Remove this marker together with the recipe fix (trainer.accelerator.state.fsdp_plugin."
-    "set_state_dict_type('FULL_STATE_DICT') before trainer.save_model).",
-)
 def test_finetune_long_tiny_under_fsdp2_matches_one_process(tmp_path):
     single, fsdp = tmp_path / "single", tmp_path / "fsdp2"
     common = ["--tiny", "--no_progress"]
