@@ -450,14 +450,18 @@ def enable_selection_replay(model: torch.nn.Module, *, verify: bool | None = Non
 
 
 class _UnwrapLayers:
-    """Undo of wrap_layers_for_replay: puts the original layers back (an object, for deepcopy)."""
+    """Undo of wrap_layers_for_replay: puts the original layers and ``config.use_cache`` back
+    (an object, for deepcopy)."""
 
-    def __init__(self, layers: list) -> None:
+    def __init__(self, layers: list, config=None, use_cache=None) -> None:
         self.layers = layers
+        self.config, self.use_cache = config, use_cache
 
     def __call__(self) -> None:
         for parent, child_name, child in self.layers:
             setattr(parent, child_name, child)
+        if self.config is not None:
+            self.config.use_cache = self.use_cache
 
 
 def _default_layer_filter(module: torch.nn.Module) -> bool:
@@ -496,7 +500,8 @@ def wrap_layers_for_replay(
         verify: as in ``enable_selection_replay``.
 
     Returns:
-        A function restoring the unwrapped layers (also run by ``unpatch_model``).
+        A function restoring the unwrapped layers (also run by ``unpatch_model``). While wrapped,
+        ``model.config.use_cache`` is False (recomputed layers must not append to a KV cache).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
@@ -542,7 +547,14 @@ def wrap_layers_for_replay(
         )
         setattr(parent, child_name, wrapped)
 
-    undo = _UnwrapLayers([(parent, child_name, child) for parent, child_name, _, child in chosen])
+    # A KV cache would be appended to again by the recomputed layers (Transformers' own checkpointing
+    # turns it off for the same reason); training needs none.
+    config = getattr(target, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+    undo = _UnwrapLayers([(parent, child_name, child) for parent, child_name, _, child in chosen],
+                         config if use_cache else None, use_cache)
     if patch_state(target) is not None:
         add_undo(target, undo)
     return undo

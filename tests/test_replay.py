@@ -238,7 +238,9 @@ def test_wrap_layers_for_replay_checkpoints_with_the_policy():
     reference = _reference_grads(ids)
     model = patch_model(make_toy())
     layers = list(model.layers)
+    model.config.use_cache = True
     hyscale_hf.wrap_layers_for_replay(model)
+    assert model.config.use_cache is False  # recomputed layers must not append to a KV cache
     assert all(type(m).__name__ == "CheckpointWrapper" for m in model.layers)
     assert hyscale_hf.wrap_layers_for_replay(model) is not None  # already wrapped with replay: no-op
     hyscale_hf.reset_selection_stats()
@@ -246,7 +248,7 @@ def test_wrap_layers_for_replay_checkpoints_with_the_policy():
     stats = hyscale_hf.selection_stats()
     assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == N_LAYERS
     unpatch_model(model)
-    assert list(model.layers) == layers
+    assert list(model.layers) == layers and model.config.use_cache is True
 
 
 def test_wrap_layers_refuses_double_checkpointing():
