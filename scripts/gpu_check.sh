@@ -3,8 +3,9 @@
 # benchmarks. Stages are named on the command line (default: all), e.g.
 #   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
-# Extra arguments per benchmark come from E2E_ARGS, REPLAY_ARGS, HYTOPK_ARGS, SATTN_ARGS; stage time
-# limits from E2E_S, REPLAY_S, TESTS_S (seconds).
+# Extra arguments per benchmark come from E2E_ARGS, REPLAY_ARGS, HYTOPK_ARGS, SATTN_ARGS, FSDP2_ARGS; stage
+# time limits from E2E_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S (seconds). The fsdp2 stage needs 2 GPUs
+# (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it).
 # Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
 # results.tgz with everything; a summary table is printed last.
 set -u
@@ -46,6 +47,17 @@ for s in $stages; do
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
       stage bench_e2e "${E2E_S:-560}" python3 scripts/bench_e2e.py --out "$RES" ${E2E_ARGS:-} ;;
+    fsdp2)   # needs 2 GPUs: bench_fsdp2 on 1 and 2 processes, then the main job under FSDP2 with LoRA
+      cfg=scripts/accelerate/fsdp2_2gpu.yaml
+      for n in 1 2; do
+        stage "fsdp2_${n}gpu" "${FSDP2_S:-150}" accelerate launch --config_file $cfg --num_processes $n \
+          scripts/bench_fsdp2.py --out "$RES/fsdp2_${n}gpu.json" ${FSDP2_ARGS:-}
+      done
+      stage fsdp2_compare 60 python3 scripts/bench_fsdp2.py --compare "$RES/fsdp2_1gpu.json" "$RES/fsdp2_2gpu.json"
+      stage finetune_fsdp2_lora "${FINETUNE_S:-150}" accelerate launch --config_file $cfg scripts/finetune_long.py \
+        --max_steps 24 --dense_pretrain_steps 4 --dense_warmup_steps 4 --lora_r 8 --passkey_trials 2 \
+        --output_dir /tmp/finetune_fsdp2 --no_progress
+      cp /tmp/finetune_fsdp2/results.json "$RES/finetune_fsdp2.json" 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done
