@@ -315,3 +315,30 @@ def indexer_kl_loss_reference(
     if reduction == "mean":
         return kl.sum() / has_key.sum().clamp_min(1)
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# ----------------------------------------------------------------------------- dense layer parts
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama/GLM RMSNorm as Transformers writes it (statistics in fp32, scale after the cast)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def swiglu_mlp_reference(x, w_gate, w_up, w_down) -> torch.Tensor:
+    """The bias-free SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim: int, scale: float):
+    """MLA absorbed-form sparse attention as a plain composition (see ``mla_attention``).
+
+    q_latent = q_nope . W_UK per head; attn_q = [q_latent, q_rot]; attention over the selected rows
+    of ``kv`` [B, T, 1, C + R] with values its first ``value_dim`` dims. Returns (o, lse, attn_q).
+    """
+    q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype))
+    attn_q = torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)
+    o, lse = sparse_attention_reference(attn_q, kv, kv[..., :value_dim], indices, scale)
+    return o, lse, attn_q
