@@ -32,6 +32,10 @@ class HyScaleConfig:
             the dense KL loss) instead of the sparse stage.
         backend: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise), ``"torch"`` or
             ``"triton"``.
+        lean_activations: give the model's RMSNorms and SwiGLU MLPs forwards that compute the same
+            bits but save fewer activations for backward (``kernels.rms_norm`` / ``kernels.swiglu_mlp``;
+            about a third of a GLM-5 layer's checkpoint-recompute memory). Modules whose own forward
+            they do not reproduce bit for bit keep it.
     """
 
     topk: int | None = None
@@ -43,6 +47,7 @@ class HyScaleConfig:
     indexer_loss_coef: float = 1e-3
     dense_warmup: bool = False
     backend: str = "auto"
+    lean_activations: bool = True
 
     def __post_init__(self) -> None:
         for name in ("topk", "index_n_heads", "index_head_dim"):

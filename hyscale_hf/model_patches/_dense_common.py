@@ -28,6 +28,7 @@ How a patched model runs (one model instance; nothing is changed at class level)
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from ..training import observe_selection
 from ._dense_cache import indexer_cache_layer
 from ._dense_visibility import Visibility, visibility
 from ._dense_weights import RECORD_ATTR, load_saved_indexers
+from ._lean_layers import apply_lean_layers
 
 ATTN_IMPL = "hyscale_dense"
 DENSE_DEFAULTS = {"topk": 2048, "index_n_heads": 32, "index_head_dim": 128}
@@ -233,8 +235,12 @@ class _DenseUndo:
         self.impls: list[tuple[Any, Any]] = []  # (config, previous _attn_implementation)
         self.record: Any = _Absent  # previous RECORD_ATTR value (_Absent if there was none)
         self.record_set = False
+        self.lean: Callable[[], None] | None = None  # undo of the lean norm / MLP forwards
 
     def __call__(self) -> None:
+        if self.lean is not None:
+            self.lean()
+            self.lean = None
         if self.record_set:
             if self.record is _Absent:
                 self.config.__dict__.pop(RECORD_ATTR, None)
@@ -293,6 +299,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
             setattr(config, RECORD_ATTR, {"kind": "dense", **settings})
             if loaded_record is not None:
                 load_saved_indexers(model, {name: m.indexer for name, m in attns})
+            undo.lean = apply_lean_layers(model, state)
         except BaseException:
             undo()
             raise

@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..indexer import attach_indexer_loss
-from ..kernels import hytopk, indexer_kl_loss, sparse_attention
+from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.reference import query_windows
 from ..patching import PatchState
 from ..replay import reuse_indices
 from ..training import observe_selection
+from ._lean_layers import apply_lean_layers
 
 ATTN_IMPLEMENTATION = "hyscale_dsa"
 
@@ -328,12 +329,10 @@ def _kv_b_weight(attn) -> torch.Tensor:
     return (proj(eye) - proj(zero)).t()
 
 
-def _absorb(attn, q_nope: torch.Tensor):
-    """(q_latent [B, S, H, kv_lora_rank], W_UV [H, v, kv_lora_rank]): q_nope . (W_UK c) == (W_UK^T q_nope) . c."""
+def _absorb_weights(attn):
+    """(W_UK [H, nope, C], W_UV [H, v, C]) of kv_b_proj: q_nope . (W_UK c) == (W_UK^T q_nope) . c."""
     w = _kv_b_weight(attn).view(attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim, attn.kv_lora_rank)
-    w_uk, w_uv = w[:, : attn.qk_nope_head_dim], w[:, attn.qk_nope_head_dim :]
-    q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype))
-    return q_latent, w_uv
+    return w[:, : attn.qk_nope_head_dim], w[:, attn.qk_nope_head_dim :]
 
 
 def _window_indices(batch, queries, keys, window, key_offset, cu_seqlens, window_start, device) -> torch.Tensor:
@@ -425,8 +424,7 @@ def mla_dsa_attention_forward(
     T = past + S  # keys visible to this call; a sliding-window cache returns only the last latent.shape[1]
     key_offset = T - latent.shape[1]
 
-    q_latent, w_uv = _absorb(self, q_nope)
-    attn_q = torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)  # [B, S, H, C + R]
+    w_uk, w_uv = _absorb_weights(self)
     attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, L, 1, C + R]
     value_dim = self.kv_lora_rank
     cu_seqlens, window_start = key_windows(attention_mask, position_ids, kwargs, B, S, T)
@@ -446,11 +444,12 @@ def mla_dsa_attention_forward(
             sin.detach(), position_ids,
         )
         index_k = _indexer_keys(cache, self.layer_idx, new_keys, past, T)
-        observe_selection(state, index_q, index_k, index_w, attn_q, attn_k, scale=self.scaling, relu=cfg.relu,
-                          cu_seqlens=cu_seqlens, window_start=window_start)  # top-k recall sampling (no-op otherwise)
 
     sinks = family.sinks(self)
     topk_indices = loss_indices = None
+    sparse = window is None and not cfg.dense_warmup and (indexer is not None or shared_layer)
+    if not sparse:  # the absorbed query [B, S, H, C + R] through plain autograd
+        attn_q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype)), q_rot.to(q_nope.dtype)], -1)
     if window is not None:  # a sliding-window layer (no indexer): its selection is the window itself
         o_latent, lse = sparse_attention(attn_q, attn_k, attn_k[..., :value_dim],
                                          _window_indices(B, S, T, window, key_offset, cu_seqlens, window_start, x.device),
@@ -468,9 +467,14 @@ def mla_dsa_attention_forward(
             if prev_topk_indices is None:
                 raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
             topk_indices = reuse_indices(prev_topk_indices)
-        o_latent, lse = sparse_attention(attn_q, attn_k, attn_k[..., :value_dim], topk_indices, scale=self.scaling,
-                                         return_lse=True, backend=cfg.backend)
+        # attn_q comes back without gradient (the KL target and the recall probe only read it); the
+        # attention rebuilds it from q_nope in backward instead of keeping it (see mla_attention).
+        o_latent, lse, attn_q = mla_sparse_attention(q_nope, q_rot, w_uk, attn_k, topk_indices, value_dim=value_dim,
+                                                     scale=self.scaling, backend=cfg.backend)
         loss_indices = topk_indices
+    if indexer is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
+        observe_selection(state, index_q, index_k, index_w, attn_q, attn_k, scale=self.scaling, relu=cfg.relu,
+                          cu_seqlens=cu_seqlens, window_start=window_start)
 
     if sinks is not None:
         if torch.is_grad_enabled() and o_latent.requires_grad and lse.grad_fn is None:
@@ -548,6 +552,7 @@ def patch_mla_dsa_model(model: torch.nn.Module, state: PatchState, family: MLADS
 
         undo_steps.append(undo_module)
 
+    undo_steps.append(apply_lean_layers(model, state))
     configs = {id(m.config): m.config for m in modules}
     for config in configs.values():
         previous = config._attn_implementation

@@ -1,0 +1,100 @@
+"""Memory-lean forwards for a patched model's RMSNorms and SwiGLU MLPs (``HyScaleConfig.lean_activations``).
+
+At long context a checkpointed layer's recompute, not attention, sets the peak memory: for each token
+Transformers' RMSNorm keeps an fp32 copy of its input and the MLP keeps four tensors of its
+intermediate width. ``kernels.rms_norm`` / ``kernels.swiglu_mlp`` compute the same forward bits and
+keep less. A module gets the lean forward only when it is one of these shapes (Transformers'
+``*RMSNorm`` with ``weight`` and ``variance_epsilon``; an MLP of bias-free ``gate_proj``, ``up_proj``,
+``down_proj`` ``nn.Linear`` with a SiLU ``act_fn``, torch's or Transformers') AND its lean forward reproduces its own forward
+bit for bit on a probe input; anything else (Gemma-style ``1 + weight`` norms, GELU MLPs, quantised
+or meta weights, modules that already carry an instance forward such as accelerate hooks) keeps its
+own forward. A projection wrapped later (PEFT LoRA) sends the MLP back to its own forward at call time.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from ..kernels import rms_norm, swiglu_mlp
+from ..patching import PatchState
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _lean_norm_forward(self, hidden_states):
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _lean_mlp_forward(self, x, *args, **kwargs):
+    if args or kwargs or any(type(getattr(self, name)) is not nn.Linear for name in _PROJECTIONS):
+        return type(self).forward(self, x, *args, **kwargs)  # e.g. PEFT wrapped a projection after patching
+    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def _is_rms_norm(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return (
+        type(m).__name__.endswith("RMSNorm")
+        and isinstance(w, torch.Tensor)
+        and w.dim() == 1
+        and isinstance(getattr(m, "variance_epsilon", None), float)
+    )
+
+
+def _is_swiglu_mlp(m: nn.Module) -> bool:
+    projections = [getattr(m, name, None) for name in _PROJECTIONS]
+    return (
+        all(type(p) is nn.Linear and p.bias is None for p in projections)
+        and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")  # torch's, Transformers'
+
+        and projections[0].weight.shape == projections[1].weight.shape
+    )
+
+
+@torch.no_grad()
+def _same_bits(m: nn.Module, lean, width: int, dtype: torch.dtype, device) -> bool:
+    """The lean forward gives ``m``'s own output bit for bit on a random probe input."""
+    if device.type == "meta":
+        return False
+    g = torch.Generator(device="cpu").manual_seed(0)
+    probe = (torch.randn(2, 3, width, generator=g) * 2).to(device=device, dtype=dtype)
+    try:
+        return bool(torch.equal(type(m).forward(m, probe), lean(m, probe)))
+    except Exception:  # noqa: BLE001 - a module the lean forward cannot run is simply not swapped
+        return False
+
+
+class _LeanUndo:
+    """Removes the lean instance forwards (a callable object, so deepcopy of a model carries it along)."""
+
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+
+    def __call__(self) -> None:
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        self.modules.clear()
+
+
+def apply_lean_layers(model: nn.Module, state: PatchState) -> _LeanUndo:
+    """Give every matching RMSNorm and SwiGLU MLP of ``model`` its lean forward (when
+    ``state.config.lean_activations``); returns the undo."""
+    undo = _LeanUndo()
+    if not state.config.lean_activations:
+        return undo
+    for m in model.modules():
+        if "forward" in m.__dict__:  # an instance forward is already there (accelerate hook, another patch)
+            continue
+        if _is_rms_norm(m):
+            lean, width, ref = _lean_norm_forward, m.weight.shape[0], m.weight
+        elif _is_swiglu_mlp(m):
+            lean, width, ref = _lean_mlp_forward, m.gate_proj.weight.shape[1], m.gate_proj.weight
+        else:
+            continue
+        if _same_bits(m, lean, width, ref.dtype, ref.device):
+            m.forward = types.MethodType(lean, m)
+            undo.modules.append(m)
+    return undo

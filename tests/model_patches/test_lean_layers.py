@@ -1,0 +1,111 @@
+"""HyScaleConfig.lean_activations: patched models give their RMSNorms and SwiGLU MLPs forwards that
+compute the same bits and save less; everything else keeps its own forward."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hyscale_hf
+from hyscale_hf.model_patches._lean_layers import apply_lean_layers
+from hyscale_hf.patching import PatchState
+
+from ._dense_tiny import tiny_model, tokens
+from .tiny_models import build
+
+
+def lean_modules(model) -> list[str]:
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__ and "_lean_" in m.forward.__name__]
+
+
+def logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids).logits
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def build_glm5():
+    return build("glm_moe_dsa")[0]
+
+
+def build_llama():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("make, expected", [
+    (build_glm5, ("input_layernorm", "post_attention_layernorm", "q_a_layernorm", "kv_a_layernorm", "model.norm",
+                  "layers.0.mlp", "shared_experts")),
+    (build_llama, ("input_layernorm", "post_attention_layernorm", "model.norm", "layers.0.mlp", "layers.1.mlp")),
+], ids=["glm_moe_dsa", "llama"])
+def test_lean_forwards_give_the_same_logits_and_gradients(make, expected):
+    ids = tokens(2, 24)
+    plain = hyscale_hf.patch_model(make().train(), topk=8, lean_activations=False)
+    lean = hyscale_hf.patch_model(make().train(), topk=8)
+    assert not lean_modules(plain)
+    names = lean_modules(lean)
+    for part in expected:
+        assert any(part in n for n in names), (part, names)
+    want_logits, want = logits_and_grads(plain, ids)
+    got_logits, got = logits_and_grads(lean, ids)
+    assert torch.equal(got_logits, want_logits)  # fp32 CPU: the forward is bit-identical
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_unpatch_removes_every_lean_forward_and_deepcopy_carries_them():
+    model = hyscale_hf.patch_model(build_llama(), topk=8)
+    twin = copy.deepcopy(model)
+    assert lean_modules(twin) == lean_modules(model)
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(2)  # the copy's lean forward reads the copy's weights
+        assert not torch.equal(twin(input_ids=tokens(1, 8)).logits, model(input_ids=tokens(1, 8)).logits)
+    hyscale_hf.unpatch_model(model)
+    assert not lean_modules(model)
+
+
+def test_lora_on_an_mlp_projection_added_after_patching_is_not_bypassed():
+    peft = pytest.importorskip("peft")
+    ids = tokens(1, 12)
+    outs = []
+    for lean in (False, True):
+        model = hyscale_hf.patch_model(build_llama(), topk=8, lean_activations=lean)
+        config = peft.LoraConfig(r=4, target_modules=["gate_proj", "down_proj"], init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+        out = model(input_ids=ids).logits
+        out.sum().backward()
+        assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+        outs.append(out.detach())
+    assert torch.equal(outs[0], outs[1])
+
+
+class GemmaStyleRMSNorm(nn.Module):
+    """A norm that scales by (1 + weight): the lean forward does not reproduce it, so it is left alone."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        x32 = x.float()
+        return ((1 + self.weight) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(n, 2 * n, bias=False), nn.Linear(n, 2 * n, bias=False), \
+            nn.Linear(2 * n, n, bias=False)
+        self.act_fn = nn.SiLU()  # looks like SwiGLU, but the forward below is not
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_modules_whose_forward_differs_keep_their_own():
+    model = nn.Sequential(GemmaStyleRMSNorm(8), GeluMLP(8))
+    undo = apply_lean_layers(model, PatchState(config=hyscale_hf.HyScaleConfig(), family=None))
+    assert not lean_modules(model) and not undo.modules
