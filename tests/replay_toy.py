@@ -18,9 +18,15 @@ from hyscale_hf.indexer import attach_indexer_loss
 from hyscale_hf.patching import register_family, supported_model_types
 from hyscale_hf.replay import reuse_indices
 
+class IndexHolder(dict):
+    """Where a "full" layer leaves its indices for the "shared" layers after it. A dict subclass that
+    pytree does not know, so it passes through forward-argument processing as one object (torch
+    2.11's FSDP2 rebuilds plain dict arguments on the way in, and the writes would land in a copy)."""
+
+
 # Megatron-LM PRs 6793/7010: a holder that outlives one forward call. Layers built with
 # ``global_holder=True`` read the shared indices from here, so a later micro-batch overwrites them.
-GLOBAL_HOLDER: dict = {}
+GLOBAL_HOLDER = IndexHolder()
 
 
 class ToyConfig(PretrainedConfig):
@@ -117,7 +123,7 @@ class ToyModel(PreTrainedModel):
         self.embed = value
 
     def forward(self, input_ids, labels=None, **kwargs):
-        holder = GLOBAL_HOLDER if self.config.global_holder else {}  # one per forward call
+        holder = GLOBAL_HOLDER if self.config.global_holder else IndexHolder()  # one per forward call
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, holder=holder)
