@@ -26,9 +26,6 @@ from .patching import PatchState, base_model, patch_state
 
 INDEXER_MODULE_NAME = "indexer"
 
-# Bytes one recall chunk may use for its [c, H, window] fp32 score block.
-_RECALL_CHUNK_BYTES = 64 * 2**20
-
 
 # ----------------------------------------------------------------------------- indexer parameters
 
@@ -112,7 +109,7 @@ def topk_recall(
     recall, best = [], []
     for b in rows.unique().tolist():
         queries = cols[rows == b]
-        chunk = max(1, _RECALL_CHUNK_BYTES // (4 * heads * T))
+        chunk = max(1, reference.chunk_budget_bytes(device) // (4 * heads * T))  # [c, H, window] fp32 scores
         for c0 in range(0, queries.numel(), chunk):
             qs = queries[c0 : c0 + chunk]
             st, en = start[b : b + 1, qs], end[b : b + 1, qs]

@@ -11,8 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# Bytes one scoring chunk may use for its [B, chunk, H, T_window] fp32 block.
+# Bytes one query chunk may use for its [B, chunk, H, T_window] fp32 block. On a GPU the chunked
+# loops are bound by launch and Python overhead long before memory (a 32 MiB block is 64 queries of
+# an 8-head, 8K-token, batch-2 indexer: 128 chunks per layer call), so chunks are larger there.
 SCORE_CHUNK_BYTES = 32 * 2**20
+SCORE_CHUNK_BYTES_CUDA = 512 * 2**20
+
+
+def chunk_budget_bytes(device) -> int:
+    """Bytes a query chunk's fp32 score block may take on ``device``."""
+    return SCORE_CHUNK_BYTES_CUDA if torch.device(device).type == "cuda" else SCORE_CHUNK_BYTES
 
 _INT32_MIN = -(2**31)
 _MASKED_KEY = _INT32_MIN  # never selected
@@ -44,10 +52,10 @@ def query_windows(batch: int, queries: int, num_keys: int, *, cu_seqlens=None, w
     return start.contiguous(), end.contiguous()
 
 
-def _chunk_size(batch: int, heads: int, window: int, requested: int | None) -> int:
+def _chunk_size(batch: int, heads: int, window: int, requested: int | None, device) -> int:
     if requested is not None:
         return max(1, requested)
-    return max(1, SCORE_CHUNK_BYTES // max(1, 4 * batch * heads * window))
+    return max(1, chunk_budget_bytes(device) // max(1, 4 * batch * heads * window))
 
 
 def _compute_dtype(*tensors) -> torch.dtype:
@@ -159,7 +167,7 @@ def hytopk_reference(
     start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
     idx_out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)
     score_out = torch.empty(B, S, topk, dtype=torch.float32, device=q.device)
-    chunk = _chunk_size(B, H, T, chunk_size)
+    chunk = _chunk_size(B, H, T, chunk_size, q.device)
     dt = _compute_dtype(q, k, w)
     k = k.to(dt)  # once, not per chunk
     workspace = torch.empty(B * min(chunk, S) * H * T, dtype=dt, device=q.device)
@@ -287,7 +295,7 @@ def indexer_kl_loss_reference(
         has_key = valid.any(-1)
     else:
         start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=index_q.device)
-        chunk = _chunk_size(B, max(H, attn_q.shape[2]), T, chunk_size)
+        chunk = _chunk_size(B, max(H, attn_q.shape[2]), T, chunk_size, index_q.device)
         pieces = []
         for c0 in range(0, S, chunk):
             c1 = min(S, c0 + chunk)

@@ -27,16 +27,13 @@ from torch.utils.checkpoint import checkpoint
 
 from ..indexer import attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
-from ..kernels.reference import query_windows
+from ..kernels.reference import chunk_budget_bytes, query_windows
 from ..patching import PatchState
 from ..replay import reuse_indices
 from ..training import observe_selection
 from ._lean_layers import apply_lean_layers
 
 ATTN_IMPLEMENTATION = "hyscale_dsa"
-
-# Bytes one query chunk of the dense warm-up attention may use for its [B, c, H, W] fp32 logits.
-DENSE_CHUNK_BYTES = 32 * 2**20
 
 
 # ----------------------------------------------------------------------------- attention implementation
@@ -359,7 +356,7 @@ def _dense_attention(q, k, value_dim: int, scale: float, cu_seqlens, window_star
         o = F.scaled_dot_product_attention(qt, kt, kt[..., :value_dim], is_causal=True, scale=scale)
         return o.transpose(1, 2), None
     start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
-    chunk = max(1, DENSE_CHUNK_BYTES // max(1, 4 * B * H * T))
+    chunk = max(1, chunk_budget_bytes(q.device) // max(1, 4 * B * H * T))  # [B, c, H, W] fp32 logits
     outs, lses = [], []
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
