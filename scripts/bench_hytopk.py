@@ -21,35 +21,18 @@ import importlib
 import json
 import math
 import os
+import sys
 import time
 
 import torch
 
-from hyscale_hf.kernels import hytopk, hytopk_stats, reset_hytopk_stats
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import cuda_median_ms  # noqa: E402
+
+from hyscale_hf.kernels import hytopk, hytopk_stats, reset_hytopk_stats  # noqa: E402
 
 H, D, TOPK = 32, 128, 2048
 GiB = 2**30
-
-
-def cuda_time(fn, reps: int, warmup: int = 1) -> list[float]:
-    """Milliseconds of each of ``reps`` calls after ``warmup`` calls, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
-def median(xs):
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
 
 
 def peak_extra_bytes(fn) -> int:
@@ -74,7 +57,7 @@ def bf16_matmul_tflops(n: int = 8192) -> float:
         i[0] += 1
         return a @ b
 
-    ms = median(cuda_time(mm, reps=30, warmup=5))
+    ms = cuda_median_ms(mm, 30, warmup=5)
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
@@ -131,7 +114,7 @@ def bench_one(T, reps, tflops, stats_mod):
     n = reps if T <= 32768 else max(2, reps // 2)
     ours = lambda: hytopk(q, k, w, TOPK, backend="triton")  # noqa: E731
     reset_hytopk_stats()
-    r["ours_ms"] = median(cuda_time(ours, n))
+    r["ours_ms"] = cuda_median_ms(ours, n)
     st = hytopk_stats()
     r["rows_refined_per_call"] = st["rows_refined"] / st["calls"]
     r["refines_per_call"] = st["refines"] / st["calls"]
@@ -139,16 +122,16 @@ def bench_one(T, reps, tflops, stats_mod):
     r["outputs_gib"] = T * TOPK * 4 / GiB
     # where the time goes: the scan kernel without the final per-row selection, and scoring alone
     scan_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, scan_only=True)  # noqa: E731
-    r["ours_scan_only_ms"] = median(cuda_time(scan_only, n))
+    r["ours_scan_only_ms"] = cuda_median_ms(scan_only, n)
     score_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, score_only=True)  # noqa: E731
-    r["ours_scoring_only_ms"] = median(cuda_time(score_only, n))
+    r["ours_scoring_only_ms"] = cuda_median_ms(score_only, n)
     chunked = lambda: chunked_torch_topk(q, k, w, TOPK)  # noqa: E731
-    r["chunked_torch_ms"] = median(cuda_time(chunked, n))
+    r["chunked_torch_ms"] = cuda_median_ms(chunked, n)
     r["chunked_torch_peak_extra_gib"] = peak_extra_bytes(chunked) / GiB
     if 4 * T * H * T * 1.5 < 100 * GiB:
         tf = lambda: transformers_style_topk(q, k, w, TOPK)  # noqa: E731
         try:
-            r["transformers_style_ms"] = median(cuda_time(tf, n))
+            r["transformers_style_ms"] = cuda_median_ms(tf, n)
             r["transformers_style_peak_extra_gib"] = peak_extra_bytes(tf) / GiB
         except torch.OutOfMemoryError:
             r["transformers_style_ms"] = None
@@ -204,10 +187,10 @@ def sweep(T, tflops, stats_mod, reps, configs):
             torch.cuda.synchronize()
             comp = time.perf_counter() - t0
             stats_mod.reset_hytopk_stats()
-            full = median(cuda_time(run, reps))
+            full = cuda_median_ms(run, reps)
             st = stats_mod.hytopk_stats()
-            scan = median(cuda_time(lambda run=run: run(scan_only=True), reps))
-            so = median(cuda_time(lambda run=run: run(score_only=True), reps))
+            scan = cuda_median_ms(lambda run=run: run(scan_only=True), reps)
+            so = cuda_median_ms(lambda run=run: run(score_only=True), reps)
             print(
                 f"{c} cap={cap}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_timing import cuda_median_ms  # noqa: E402
 
 from hyscale_hf.kernels import indexer_kl_loss  # noqa: E402
 from hyscale_hf.kernels import indexer_loss as _il  # noqa: E402  (tile sweep only)
@@ -32,21 +34,6 @@ SWEEP_T = 16384
 ATTN = {"mla": (64, 1, 576), "gqa": (32, 8, 128)}
 
 
-def cuda_ms(fn, warmup=1, iters=5):
-    """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(name, fn, iters):
     """Peak memory above the inputs (first run, which is also the warm-up), then the median time."""
     try:
@@ -56,7 +43,7 @@ def measure(name, fn, iters):
         fn()
         torch.cuda.synchronize()
         gib = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = cuda_ms(fn, warmup=0, iters=iters)
+        ms = cuda_median_ms(fn, iters, warmup=0)
         return {"ms": round(ms, 3), "peak_gib": round(gib, 3)}
     except torch.OutOfMemoryError as e:
         return {"error": "OutOfMemoryError", "detail": str(e).splitlines()[0][:200]}
@@ -110,13 +97,13 @@ def sweep_shape(attn, rows):
     args = (*[t.detach() for t in leaves], *attn_t, idx, lse, scale, True)
     for bk, nw, ns, da in fwd:
         _il._GPU_TILES["fwd"] = {"BLOCK_K": bk, "BLOCK_DA": da, "num_warps": nw, "num_stages": ns}
-        ms = cuda_ms(lambda: _il.indexer_kl_forward_triton(*args), iters=5)
+        ms = cuda_median_ms(lambda: _il.indexer_kl_forward_triton(*args), 5)
         rows.append({"kernel": "fwd", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
                      "BLOCK_DA": da, "ms": round(ms, 3)})
         print(rows[-1], flush=True)
     for bk, nw, ns in lse_tiles:
         _il._GPU_TILES["lse"] = {"BLOCK_K": bk, "BLOCK_DA": 64, "num_warps": nw, "num_stages": ns}
-        ms = cuda_ms(lambda: _il.attention_lse_triton(attn_t[0], attn_t[1], idx, scale), iters=5)
+        ms = cuda_median_ms(lambda: _il.attention_lse_triton(attn_t[0], attn_t[1], idx, scale), 5)
         rows.append({"kernel": "lse", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
                      "ms": round(ms, 3)})
         print(rows[-1], flush=True)
@@ -124,7 +111,7 @@ def sweep_shape(attn, rows):
     g = torch.ones(1, SWEEP_T, device=DEVICE)
     for bk, nw, ns in bwd:
         _il._GPU_TILES["bwd"] = {"BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
-        ms = cuda_ms(lambda: _il.indexer_kl_backward_triton(g, *args[:3], idx, target, z, lse_i, True), iters=5)
+        ms = cuda_median_ms(lambda: _il.indexer_kl_backward_triton(g, *args[:3], idx, target, z, lse_i, True), 5)
         rows.append({"kernel": "bwd", "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "ms": round(ms, 3)})
         print(rows[-1], flush=True)
 

@@ -24,13 +24,16 @@ import json
 import math
 import os
 import platform
-import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from hyscale_hf import sparse_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import cuda_median_ms  # noqa: E402
+
+from hyscale_hf import sparse_attention  # noqa: E402
 
 
 def realistic_selection(T, K, *, sinks=4, window=1024, far_share=1, seed=0, device="cuda", chunk=4096):
@@ -70,24 +73,8 @@ def realistic_selection(T, K, *, sinks=4, window=1024, far_share=1, seed=0, devi
 
 
 def timed(fn, *, warmup=1, max_reps=10, budget_ms=4000.0):
-    """Median milliseconds of fn() over CUDA events, after warm-up; reps scaled to the budget."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    reps = max_reps
-    for r in range(max_reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
-        if r == 0:
-            reps = max(3, min(max_reps, int(budget_ms / max(times[0], 1e-3))))
-        if len(times) >= reps:
-            break
-    return statistics.median(times)
+    """Median milliseconds of fn() by CUDA events, after warm-up; reps scaled to the budget."""
+    return cuda_median_ms(fn, max_reps, warmup=warmup, budget_ms=budget_ms)
 
 
 def peak_mib(fn):
