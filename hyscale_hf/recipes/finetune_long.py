@@ -323,7 +323,8 @@ def print_summary(results: dict, out: Path) -> None:
     print(
         "\n=== hyscale_hf long-context fine-tuning ===\n"
         f"model            {results['model']}\n"
-        f"data             {results['dataset']}, {results['train_tokens']} tokens in {results['train_seconds']} s\n"
+        f"data             {results['dataset']}\n"
+        f"training         {results['train_tokens']} tokens, {results['train_seconds']} s (model, data and training)\n"
         f"final LM loss    {results['final_train_loss']:.4f}\n"
         f"top-k recall     {'n/a' if recall is None else f'{recall:.3f}'} (share of the dense attention mass on the "
         f"indexer's top-{results['topk']} keys, held-out text; the attention's own top-{results['topk']} holds "
