@@ -350,3 +350,13 @@ def mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim: 
     attn_q = torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)
     o, lse = sparse_attention_reference(attn_q, kv, kv[..., :value_dim], indices, scale)
     return o, lse, attn_q
+
+
+def cross_entropy_reference(hidden, head, labels, *, ignore_index: int = -100, num_items_in_batch=None):
+    """What ``lm_loss.chunked_cross_entropy`` computes, with the whole logits at once (Transformers'
+    ``ForCausalLMLoss`` after the label shift: fp32 logits, sum / num_items_in_batch or the mean)."""
+    logits = head(hidden.reshape(-1, hidden.shape[-1])).float()
+    y = labels.reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, y, ignore_index=ignore_index)
+    return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
