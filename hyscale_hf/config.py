@@ -36,6 +36,9 @@ class HyScaleConfig:
             bits but save fewer activations for backward (``kernels.rms_norm`` / ``kernels.swiglu_mlp``;
             about a third of a GLM-5 layer's checkpoint-recompute memory). Modules whose own forward
             they do not reproduce bit for bit keep it.
+        lm_loss_chunk: when set (tokens, e.g. 16384), a forward with ``labels`` computes the causal-LM
+            loss that many tokens at a time (``kernels.chunked_cross_entropy``) instead of building the
+            ``[B, T, vocab]`` logits, and returns ``logits=None``. ``None``: the model's own loss.
     """
 
     topk: int | None = None
@@ -48,9 +51,10 @@ class HyScaleConfig:
     dense_warmup: bool = False
     backend: str = "auto"
     lean_activations: bool = True
+    lm_loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("topk", "index_n_heads", "index_head_dim"):
+        for name in ("topk", "index_n_heads", "index_head_dim", "lm_loss_chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"HyScaleConfig.{name} must be a positive int or None, got {value!r}")

@@ -43,6 +43,7 @@ from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
 from ..patching import PatchState
 from ..training import observe_selection
+from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._dense_cache import indexer_cache_layer
 from ._dense_visibility import Visibility, visibility
 from ._dense_weights import RECORD_ATTR, load_saved_indexers
@@ -236,11 +237,14 @@ class _DenseUndo:
         self.record: Any = _Absent  # previous RECORD_ATTR value (_Absent if there was none)
         self.record_set = False
         self.lean: Callable[[], None] | None = None  # undo of the lean norm / MLP forwards
+        self.lm_loss: Callable[[], None] | None = None  # undo of the chunked LM loss forward
 
     def __call__(self) -> None:
-        if self.lean is not None:
-            self.lean()
-            self.lean = None
+        for name in ("lean", "lm_loss"):
+            step = getattr(self, name)
+            if step is not None:
+                step()
+                setattr(self, name, None)
         if self.record_set:
             if self.record is _Absent:
                 self.config.__dict__.pop(RECORD_ATTR, None)
@@ -300,6 +304,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
             if loaded_record is not None:
                 load_saved_indexers(model, {name: m.indexer for name, m in attns})
             undo.lean = apply_lean_layers(model, state)
+            undo.lm_loss = apply_chunked_lm_loss(model, state)
         except BaseException:
             undo()
             raise

@@ -31,6 +31,7 @@ from ..kernels.reference import chunk_budget_bytes, query_windows
 from ..patching import PatchState
 from ..replay import reuse_indices
 from ..training import observe_selection
+from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._lean_layers import apply_lean_layers
 
 ATTN_IMPLEMENTATION = "hyscale_dsa"
@@ -530,7 +531,7 @@ def patch_mla_dsa_model(model: torch.nn.Module, state: PatchState, family: MLADS
     _resolve_config(state, family, text_config)
     register_attention_implementation()
 
-    undo_steps: list[Callable[[], None]] = []
+    undo_steps: list[Callable[[], None]] = [apply_chunked_lm_loss(model, state)]  # the only step that may refuse
     for module in modules:
         module._hyscale_family = family
         module._hyscale_state = state
