@@ -26,13 +26,12 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  # noqa: E402
 
 import hyscale_hf  # noqa: E402
+from hyscale_hf.kernels import chunked_cross_entropy  # noqa: E402
 
 ARMS = ("hyscale", "native", "dense", "replay_off")
 
@@ -63,19 +62,12 @@ def is_oom(err: BaseException) -> bool:
 
 
 def chunked_lm_loss(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Next-token loss with the LM head and cross-entropy run ``chunk`` tokens at a time under
-    checkpointing, so the [T, vocab] logits (and their fp32 copy and gradient) never exist whole.
-    The same value as ``model(input_ids=ids, labels=ids).loss``."""
+    """Next-token loss with the LM head and cross-entropy run ``chunk`` tokens at a time
+    (``hyscale_hf.kernels.chunked_cross_entropy``), the same for every arm, so the [T, vocab] logits
+    (and their fp32 copy and gradient) never exist whole. The value of ``model(input_ids=ids,
+    labels=ids).loss``; a patched model gets the same with ``patch_model(model, lm_loss_chunk=chunk)``."""
     hidden = model.model(input_ids=ids).last_hidden_state
-    head = model.get_output_embeddings()
-    n = ids.shape[1] - 1
-
-    def piece(h, y):
-        return F.cross_entropy(head(h).float().flatten(0, 1), y.flatten(), reduction="sum")
-
-    total = sum(checkpoint(piece, hidden[:, c0:min(n, c0 + chunk)], ids[:, c0 + 1:min(n, c0 + chunk) + 1],
-                           use_reentrant=False) for c0 in range(0, n, chunk))
-    return total / n
+    return chunked_cross_entropy(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:], chunk)
 
 
 def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int, loss_chunk: int = 0) -> dict:

@@ -18,6 +18,7 @@ from hyscale_hf.indexer import attach_indexer_loss
 from hyscale_hf.patching import register_family, supported_model_types
 from hyscale_hf.replay import reuse_indices
 
+
 class IndexHolder(dict):
     """Where a "full" layer leaves its indices for the "shared" layers after it. A dict subclass that
     pytree does not know, so it passes through forward-argument processing as one object (torch

@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--logging_steps", type=int)
     run.add_argument("--topk", type=int, help="keys kept per query (default: the model's index_topk)")
     run.add_argument("--indexer_loss_coef", type=float, default=None, help="default: HyScaleConfig's")
+    run.add_argument("--lm_loss_chunk", type=int, default=None,
+                     help="compute the LM loss this many tokens at a time: the [seq_len, vocab] logits never exist "
+                          "whole (long context with a large vocabulary)")
     run.add_argument("--no_gradient_checkpointing", action="store_true")
     run.add_argument("--lora_r", type=int, default=0, help="LoRA rank (0: full fine-tuning); the indexer trains fully")
     run.add_argument("--seed", type=int, default=0)
@@ -231,6 +234,8 @@ def main(argv=None) -> dict:
         config_overrides["topk"] = args.topk
     if args.indexer_loss_coef is not None:
         config_overrides["indexer_loss_coef"] = args.indexer_loss_coef
+    if args.lm_loss_chunk is not None:
+        config_overrides["lm_loss_chunk"] = args.lm_loss_chunk
     if args.model is not None:
         for name in ("index_n_heads", "index_head_dim"):
             if getattr(args, name) is not None:

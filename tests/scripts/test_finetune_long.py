@@ -73,9 +73,10 @@ def test_local_dense_model_with_lora(tmp_path):
     tok.save_pretrained(tmp_path / "llama")
     out = tmp_path / "run"
     run_script(tmp_path, "--model", str(tmp_path / "llama"), "--topk", "32", "--index_n_heads", "2",
-               "--index_head_dim", "8", "--lora_r", "4", "--output_dir", str(out))
+               "--index_head_dim", "8", "--lora_r", "4", "--lm_loss_chunk", "100", "--output_dir", str(out))
     results = json.loads((out / "results.json").read_text())
     assert results["dense_pretrain_steps"] == 0 and results["topk"] == 32
+    assert json.loads((out / "hyscale_config.json").read_text())["lm_loss_chunk"] == 100
     assert 0.0 < results["topk_recall_held_out"] <= 1.0
     saved = json.loads((out / "adapter_config.json").read_text())
     assert sorted(saved["modules_to_save"]) == ["model.layers.0.self_attn.indexer", "model.layers.1.self_attn.indexer"]
