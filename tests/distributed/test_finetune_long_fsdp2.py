@@ -46,6 +46,14 @@ def test_finetune_long_tiny_under_fsdp2_matches_one_process(tmp_path):
         assert entry["replay_indexer_recompute"] == 0
         assert (entry["replay_indexer_forward"] > 0) == (entry["hyscale_stage"] == 2.0)  # selection: sparse stage only
 
+    # The chunked LM loss (the head's logits a chunk at a time) under FSDP2 gives the same training.
+    chunked = tmp_path / "fsdp2_chunked_loss"
+    _run([*launch, str(SCRIPT), *common, "--batch_size", "1", "--lm_loss_chunk", "64", "--output_dir", str(chunked)],
+         _env(True), TIMEOUT_S)
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([e[key] for e in _log(chunked)]), torch.tensor([e[key] for e in two]),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: lm_loss_chunk vs not: {m}")
+
     results = json.loads((fsdp / "results.json").read_text())
     assert results["train_tokens"] == json.loads((single / "results.json").read_text())["train_tokens"]
     # The checkpoint saved under FSDP2 loads into one process and patches again (with the saved
