@@ -1,12 +1,14 @@
 """End-to-end benchmark: one training step of a GLM-5-shaped model, and the longest trainable context.
 
 A training step is forward + backward + AdamW step with gradient checkpointing on every layer, on one
-sequence of T tokens (bf16). Four arms, each on the same token ids:
+sequence of T tokens (bf16). Arms, each on the same token ids:
 
   hyscale       patch_model(model): HyTopK + sparse MLA attention + selection replay
   native        the unpatched Transformers glm_moe_dsa path (indexer score table + dense mask)
   dense         the same dims as deepseek_v3 (MLA without indexer), SDPA attention
   replay_off    patch_model(model, selection_replay=False)
+  lean_off      patch_model(model, lean_activations=False): RMSNorm and MLP keep what Transformers keeps
+                (not run unless named in --arms)
 
 For each arm and T: median step time, tokens/s, peak memory, or "OOM". Then the longest context each
 arm trains at (doubling T from the largest length that fit until a step runs out of memory or takes
@@ -33,7 +35,8 @@ from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  #
 import hyscale_hf  # noqa: E402
 from hyscale_hf.kernels import chunked_cross_entropy  # noqa: E402
 
-ARMS = ("hyscale", "native", "dense", "replay_off")
+ARMS = ("hyscale", "native", "dense", "replay_off", "lean_off")
+DEFAULT_ARMS = ARMS[:4]
 
 
 def make_arm(arm: str, dims: dict, layers: int, max_t: int, device, dtype):
@@ -46,6 +49,8 @@ def make_arm(arm: str, dims: dict, layers: int, max_t: int, device, dtype):
         hyscale_hf.patch_model(model)
     elif arm == "replay_off":
         hyscale_hf.patch_model(model, selection_replay=False)
+    elif arm == "lean_off":
+        hyscale_hf.patch_model(model, lean_activations=False)
     enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=device.type == "cuda")
     return model, optimizer
@@ -204,7 +209,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/bench_e2e", help="folder for bench_e2e.json and bench_e2e.png")
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS)
     p.add_argument("--seqlens", nargs="+", type=int, default=None)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
@@ -213,7 +218,7 @@ def main(argv=None) -> dict:
     p.add_argument("--step-cap-s", type=float, default=60.0, help="stop the search once a step takes longer")
     p.add_argument("--loss-chunk", type=int, default=0,
                    help="tokens per LM-head/cross-entropy chunk (0: the model's own loss over whole logits)")
-    p.add_argument("--search-arms", nargs="*", default=list(ARMS), choices=ARMS,
+    p.add_argument("--search-arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS,
                    help="arms that run the longest-context search (none: skip it)")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")

@@ -163,3 +163,13 @@ def test_custom_op_is_visible_to_the_dispatcher_and_fake_tensors():
         w = torch.empty(2, 5, 3)
         idx, sc = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "torch")
     assert idx.shape == (2, 5, 6) and idx.dtype == torch.int32 and sc.dtype == torch.float32
+
+
+def test_query_chunks_are_larger_on_cuda_where_launch_overhead_dominates():
+    # The chunked torch paths size their chunks by device: CPU-sized chunks made the GPU dense
+    # warm-up launch-bound. torch.device("cuda") is only inspected, so this runs without a GPU.
+    cpu = ref._chunk_size(2, 8, 8192, None, torch.device("cpu"))
+    gpu = ref._chunk_size(2, 8, 8192, None, torch.device("cuda"))
+    assert cpu == ref.SCORE_CHUNK_BYTES // (4 * 2 * 8 * 8192) == 64
+    assert gpu == 16 * cpu
+    assert ref._chunk_size(2, 8, 8192, 5, torch.device("cuda")) == 5  # an explicit chunk wins

@@ -18,12 +18,13 @@ def test_bench_e2e_tiny(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--tiny", "--arms", "hyscale", "dense", "--seqlens", "16", "32", "--reps", "1", "--warmup", "0",
+    bench.main(["--tiny", "--arms", "hyscale", "dense", "lean_off", "--seqlens", "16", "32", "--reps", "1", "--warmup", "0",
                 "--search-arms", "hyscale", "--search-max", "64", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench_e2e.json").read_text())
-    hyscale, dense = result["arms"]
+    hyscale, dense, lean_off = result["arms"]
     assert [r["T"] for r in hyscale["rows"]] == [16, 32] and all(r["step_ms"] > 0 for r in hyscale["rows"])
     assert [r["T"] for r in hyscale["search"]] == [64] and hyscale["longest_trained_T"] == 64
     assert dense["search"] == [] and dense["longest_trained_T"] == 32
+    assert lean_off["arm"] == "lean_off" and [r["T"] for r in lean_off["rows"]] == [16, 32]
     assert set(result["ratios_vs_hyscale"]["dense"]) == {"16", "32"}
     assert (tmp_path / "bench_e2e.png").stat().st_size > 0
