@@ -54,8 +54,8 @@ for s in $stages; do
           scripts/bench_fsdp2.py --out "$RES/fsdp2_${n}gpu.json" ${FSDP2_ARGS:-}
       done
       stage fsdp2_compare 60 python3 scripts/bench_fsdp2.py --compare "$RES/fsdp2_1gpu.json" "$RES/fsdp2_2gpu.json"
-      stage finetune_fsdp2_lora "${FINETUNE_S:-150}" accelerate launch --config_file $cfg scripts/finetune_long.py \
-        --max_steps 24 --dense_pretrain_steps 4 --dense_warmup_steps 4 --lora_r 8 --passkey_trials 2 \
+      stage finetune_fsdp2_lora "${FINETUNE_S:-280}" accelerate launch --config_file $cfg scripts/finetune_long.py \
+        --max_steps 40 --dense_pretrain_steps 10 --dense_warmup_steps 10 --lora_r 8 --logging_steps 5 --passkey_trials 2 \
         --output_dir /tmp/finetune_fsdp2 --no_progress
       cp /tmp/finetune_fsdp2/results.json "$RES/finetune_fsdp2.json" 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
