@@ -8,6 +8,8 @@
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it).
 # Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
 # results.tgz with everything; a summary table is printed last.
+# On the lent GPU machine only a handful of files come back from $OUT: run with OUT=/tmp/gc and
+# copy /tmp/gc/results.tgz and /tmp/gc/summary.txt to the device's $OUT afterwards.
 set -u
 OUT=${OUT:-outputs/gpu_check}
 RES="$OUT/r"
