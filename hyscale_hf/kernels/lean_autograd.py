@@ -72,23 +72,28 @@ class _SwiGLUMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        # Under autocast the forward's matmuls ran in gate's dtype (bf16) over fp32 weights and inputs:
+        # compute in that dtype here too, and hand each gradient back in its input's dtype, as
+        # autograd of autocast's casts does.
+        cd = gate.dtype
+        dy, x_c = dy.to(cd), x.to(cd)
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
         dx = dwg = dwu = dwd = None
         # Ordered so that at most two intermediate-width temporaries are alive besides gate and up.
         act = F.silu(gate)
         if ctx.needs_input_grad[3]:
-            dwd = flat(dy).t() @ flat(act * up)
-        d_prod = dy @ w_down
+            dwd = (flat(dy).t() @ flat(act * up)).to(w_down.dtype)
+        d_prod = dy @ w_down.to(cd)
         d_up = d_prod * act
         del act
         d_gate = torch.ops.aten.silu_backward(d_prod * up, gate)  # what autograd of F.silu computes
         del d_prod
         if ctx.needs_input_grad[0]:
-            dx = d_gate @ w_gate + d_up @ w_up
+            dx = (d_gate @ w_gate.to(cd) + d_up @ w_up.to(cd)).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dwg = flat(d_gate).t() @ flat(x)
+            dwg = (flat(d_gate).t() @ flat(x_c)).to(w_gate.dtype)
         if ctx.needs_input_grad[2]:
-            dwu = flat(d_up).t() @ flat(x)
+            dwu = (flat(d_up).t() @ flat(x_c)).to(w_up.dtype)
         return dx, dwg, dwu, dwd
 
 

@@ -103,3 +103,23 @@ def test_bad_shapes_name_the_argument():
         swiglu_mlp(x, wg, wu, wd[:, :-1])
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, torch.ones(15), 1e-6)
+
+
+def test_under_autocast_with_fp32_weights_the_same_as_plain_autograd():
+    # Trainer(bf16=True) over fp32 weights: the forward's matmuls run in bf16, backward runs outside
+    # autocast, and every gradient comes back in its input's dtype.
+    args = mlp_inputs(torch.float32)
+    x, w = norm_inputs(torch.float32)
+    results = []
+    for mlp, norm in ((swiglu_mlp_reference, rms_norm_reference), (swiglu_mlp, rms_norm)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mlp(*args)
+            normed = norm(x, w, 1e-6)
+        assert out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out.float().pow(2).sum() + normed.float().pow(2).sum(), [*args, x, w])
+        results.append((out, normed, grads))
+    (ref_out, ref_normed, ref_grads), (out, normed, grads) = results
+    assert torch.equal(out, ref_out) and torch.equal(normed, ref_normed)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
