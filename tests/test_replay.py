@@ -14,6 +14,7 @@ from hyscale_hf.indexer import in_backward
 from hyscale_hf.replay import ReplayContextFn, _ReplayCheckpointFunc
 from tests import replay_toy
 from tests.replay_toy import make_toy
+from tests.trainer_run import trained_parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # Transformers 5.23+ deprecation notices
 
@@ -280,19 +281,11 @@ def test_replay_context_fn_for_manual_checkpoint_calls():
 
 
 def test_trainer_gradient_checkpointing_matches_training_without_it(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     data = [{"input_ids": _ids(s)[0], "labels": _ids(s)[0]} for s in range(8)]
 
     def train(checkpointing, **extra):
-        model = patch_model(make_toy())
-        args = TrainingArguments(output_dir=str(tmp_path / str(checkpointing)), max_steps=3,
-                                 per_device_train_batch_size=2, learning_rate=1e-2, report_to=[],
-                                 save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-                                 dataloader_num_workers=0, gradient_checkpointing=checkpointing,
-                                 disable_tqdm=True, **extra)
-        Trainer(model=model, args=args, train_dataset=data).train()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return trained_parameters(patch_model(make_toy()), data, tmp_path / str(checkpointing),
+                                  checkpointing=checkpointing, learning_rate=1e-2, **extra)
 
     reference = train(False)
     hyscale_hf.reset_selection_stats()

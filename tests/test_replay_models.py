@@ -9,6 +9,7 @@ import torch
 import hyscale_hf
 from hyscale_hf import SelectionReplayMismatch, patch_model
 from hyscale_hf.indexer import in_backward
+from tests.trainer_run import trained_parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -137,18 +138,11 @@ def test_reentrant_checkpointing_is_refused(model_type):
 
 @pytest.mark.parametrize("model_type", MODELS)
 def test_trainer_with_gradient_checkpointing(model_type, tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     data = [{"input_ids": _ids(s)[0], "labels": _ids(s)[0]} for s in range(6)]
 
     def train(checkpointing):
-        model = _patched(model_type)
-        args = TrainingArguments(output_dir=str(tmp_path / str(checkpointing)), max_steps=3,
-                                 per_device_train_batch_size=2, learning_rate=1e-3, report_to=[],
-                                 save_strategy="no", use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
-                                 dataloader_num_workers=0, gradient_checkpointing=checkpointing)
-        Trainer(model=model, args=args, train_dataset=data).train()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return trained_parameters(_patched(model_type), data, tmp_path / str(checkpointing),
+                                  checkpointing=checkpointing, learning_rate=1e-3)
 
     reference = train(False)
     hyscale_hf.reset_selection_stats()
