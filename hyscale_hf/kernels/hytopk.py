@@ -69,6 +69,7 @@ class HyTopKConfig:
     num_stages: int = 2
     CH: int = 1024  # buffer keys per step of the radix select / compaction
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
+    finalize_warps: int = 4  # warps of the per-row final selection + sort
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -84,6 +85,30 @@ def _pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> Hy
     # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
     # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
     return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+
+
+def _chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[int]:
+    """Key tiles the longest block walks, per chunk of R query rows (one scan launch per SEG tiles).
+
+    Chunk c holds rows [c * R, (c + 1) * R); its blocks are BQ consecutive rows from the chunk's
+    start. A block walks the BN-key tiles from its earliest live window start to its latest window
+    end (query i of S sees keys ``start[i] <= s <= T - S + i``), as the scan kernel computes it.
+    """
+    B, S = start.shape
+    dev = start.device
+    i = torch.arange(S, device=dev)
+    per_chunk = triton.cdiv(R, BQ)
+    block = ((i // R) * per_chunk + (i % R) // BQ).expand(B, S)
+    end = (T - S + i).expand(B, S)
+    lo = start.to(torch.int64)
+    live = lo <= end
+    n_blocks = triton.cdiv(S, R) * per_chunk
+    b_lo = torch.full((B, n_blocks), T, dtype=torch.int64, device=dev)
+    b_hi = torch.full((B, n_blocks), -1, dtype=torch.int64, device=dev)
+    b_lo.scatter_reduce_(1, block, torch.where(live, lo, T), "amin")
+    b_hi.scatter_reduce_(1, block, torch.where(live, end, -1), "amax")
+    tiles = torch.where(b_hi >= b_lo, b_hi // BN - b_lo // BN + 1, 0)
+    return tiles.view(B, -1, per_chunk).amax(dim=(0, 2)).tolist()
 
 
 def _hytopk_triton(
@@ -138,9 +163,10 @@ def _hytopk_triton(
     dev = q.device
     buf = torch.empty(B, R, SC * BN, dtype=torch.int64, device=dev)
     cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
+    th = torch.empty(B, R, 2, dtype=torch.int32, device=dev)  # threshold (mono, index) per row
     refine = torch.empty(B, R, dtype=torch.int32, device=dev)
     nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
-    dbg = torch.empty(B, S, dtype=torch.float32, device=dev) if score_only else cnt
+    dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else cnt
     n_out = topk if return_scores else 0
     if topk > K:  # columns no row can fill
         indices = torch.full((B, S, topk), -1, dtype=torch.int32, device=dev)
@@ -152,24 +178,37 @@ def _hytopk_triton(
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not interp:
         launch["maxnreg"] = cfg.maxnreg
-    for i0 in range(0, S, R):
+    small = {} if interp else {"num_warps": 4}
+    chunk_tiles = _chunk_tiles(start, T, BQ, BN, R)  # one sync: how many scan launches each chunk needs
+    for i0, n_tiles in zip(range(0, S, R), chunk_tiles):
         rc = min(R, S - i0)
-        _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
-            q, k, w, start, buf, cnt, refine, nan_rows, dbg[:, i0:] if score_only else dbg,
-            S, T, i0, rc, K, slack, SC - seg,
-            *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg, OB=OB,
-            RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
-            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only,
-            **launch,
-        )  # fmt: skip
+        cnt.zero_()
+        th[..., 0] = -(2**31)  # tau = the smallest key: keep everything until the first refine
+        th[..., 1] = 2**31 - 1
+        refine.zero_()
+        for seg0 in range(0, n_tiles, seg):
+            # A slot gains at most one key per tile, so none can be fuller than SC - seg before
+            # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
+            if not score_only and seg0 > SC - seg:
+                _kernels._hytopk_refine_kernel[(rc, B)](
+                    buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, **small
+                )  # fmt: skip
+            _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
+                q, k, w, start, buf, cnt, th, nan_rows, dbg[:, i0:] if score_only else dbg,
+                S, T, i0, rc, seg0, SC - seg,
+                *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+                H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
+                RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
+                UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only,
+                **launch,
+            )  # fmt: skip
         if score_only or scan_only:
             continue
         _kernels._hytopk_finalize_kernel[(rc, B)](
             buf, cnt, indices, scores, i0, rc, K, K,
             indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
             NS=BN, SC=SC, OB=OB, BLOCK_K=BLOCK_K, WRITE_SCORES=return_scores,
-            **({} if interp else {"num_warps": 4}),
+            **({} if interp else {"num_warps": cfg.finalize_warps}),
         )  # fmt: skip
         counters = _STATS_DEVICE.setdefault(dev, torch.zeros(2, dtype=torch.int64, device=dev))
         counters += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])

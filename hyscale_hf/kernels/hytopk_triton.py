@@ -7,21 +7,23 @@ sentinel). Keys are unique, so "the K largest keys" is one exact set.
 
 ``_hytopk_scan_kernel``: a program owns BQ query rows and all their heads (matmul N = BQ * H, keys
 on M as in DeepGEMM's mqa logits, so the head sum runs in each thread's accumulator registers). It
-walks its rows' key window tile by tile: dot -> ReLU -> * w -> sum over heads -> causal mask ->
-keys, all in registers. Each row keeps a threshold key ``tau`` that only rises and appends keys
->= tau to its own buffer in global scratch.
+walks a segment of SEG tiles of its rows' key window: dot -> ReLU -> * w -> sum over heads -> causal
+mask -> keys, all in registers. Each row keeps a threshold key ``tau`` that only rises and appends
+keys >= tau to its own buffer in global scratch.
 
 Buffer layout ("slots"): key offset j of a BN-key tile always appends to slot j of the row, whose
 o-th entry lives at ``o * BN + j``, so the append needs only the per-(slot, row) fill counters held
 in registers (no prefix sum across threads; on an H200 the earlier prefix-sum append cost as much as
-the scoring itself). A tile adds at most one key per slot, so
-a segment of SEG tiles adds at most SEG; before each segment, every row with a slot fuller than
-SC - SEG (SC = slot capacity) is refined in place: ``_select_threshold`` finds a new tau with
-K <= #{keys >= tau} <= K + SLACK by a radix select over the buffer (exact: K keys >= tau exist,
-so no key below tau can be in the top K) and ``_compact`` moves the survivors to the front. n
-contiguous survivors are exactly a balanced slot layout (slot j holds ceil((n - j) / BN)), and
-K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores: nothing
-is truncated and no luck is involved. The tile loop stays innermost, so Triton pipelines it.
+the scoring itself). A tile adds at most one key per slot, so a segment of SEG tiles adds at most
+SEG. The host launches the scan once per segment; between two launches ``_hytopk_refine_kernel``
+refines every row with a slot fuller than SC - SEG (SC = slot capacity): ``_select_threshold`` finds
+a new tau with K <= #{keys >= tau} <= K + SLACK by a radix select over the buffer (exact: K keys >=
+tau exist, so no key below tau can be in the top K) and ``_compact`` moves the survivors to the
+front. n contiguous survivors are exactly a balanced slot layout (slot j holds ceil((n - j) / BN)),
+and K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores:
+nothing is truncated and no luck is involved. The refine lives in its own kernel because its loops,
+histogram and registers slowed the scan even when no row needed it (lower occupancy); the rows'
+state (tau, fill counts) crosses launches through small global arrays.
 
 ``_hytopk_finalize_kernel``: one program per row selects the exact K-th key (SLACK = 0), compacts,
 sorts the survivors by index and writes int32 indices (+ fp32 scores), -1 / -inf padded.
@@ -132,17 +134,18 @@ def _balanced_slots(n, NS: tl.constexpr):
 
 @triton.jit
 def _hytopk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, refine_ptr, nan_ptr, dbg_ptr,
-    S, T, I0, R, K, SLACK, LOCAL_TILES,
+    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
+    S, T, I0, R, SEG0, LOCAL_TILES,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr, OB: tl.constexpr,
+    BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
     RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     SCORE_ONLY: tl.constexpr,
 ):  # fmt: skip
-    """Scores key tiles of BQ query rows (queries I0 + [0, R) of batch program_id(1)) and keeps
-    every key that can still be in a row's top K in the row's slotted buffer ``buf[b, r]``
-    (SC * BN keys); the slot fill counts go to ``cnt[b, r, 0:BN]``."""
+    """Scores tiles ``[SEG0, SEG0 + SEG)`` of the key windows of BQ query rows (queries I0 + [0, R)
+    of batch program_id(1)) and appends every key >= the row's threshold ``th[b, r]`` to the row's
+    slotted buffer ``buf[b, r]`` (SC * BN keys); the slot fill counts live in ``cnt[b, r, 0:BN]``
+    between launches. The caller refines full rows between launches, so no slot overflows here."""
     b = tl.program_id(1)
     n_blocks = tl.cdiv(R, BQ)
     blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
@@ -156,12 +159,29 @@ def _hytopk_scan_kernel(
     live = row_ok & (start <= end)
     lo = tl.min(tl.where(live, start, T))
     hi = tl.max(tl.where(live, end, -1))
+    first = lo // BN
+    last = hi // BN
+    n_tiles = tl.where(hi >= lo, last - first + 1, 0)
+    n_local = tl.minimum(n_tiles, LOCAL_TILES)
+    # busy: this block's windows reach tile SEG0 (else only masked ops run). Compared as a block,
+    # not a scalar: the interpreter turns scalar-bool & block-bool into an int mask.
+    row_on = row_ok & ((rq * 0 + n_tiles) > SEG0)
 
-    # The block's queries, transposed: column c = (query c // HP, head c % HP); N = BQ * HP.
+    # The block's queries, transposed: N = BQ * HP columns of (query, head). On Hopper a thread of
+    # the wgmma accumulator holds every 8-column group's column pair 2 * (lane % 4) + {0, 1}. With
+    # BQ a multiple of 4, column c = ((gq * HP / 2 + gh) * 4 + l) * 2 + e holds query gq * 4 + l
+    # and head gh * 2 + e, so a thread holds all heads of one query: the head sum needs no shuffles
+    # and each (key, query) score lives in one thread, not four (the selection that follows ran 4x
+    # redundantly with the plain order c = query * HP + head, which smaller BQ keeps). gq is the
+    # outermost digit, so warpgroups that split N still own whole queries.
     cols = tl.arange(0, BQ * HP)
-    c_q = cols // HP
-    c_h = cols % HP
-    c_ok = (blk * BQ + c_q < R) & (c_h < H)
+    if BQ % 4 == 0:
+        c_q = (cols // (4 * HP)) * 4 + (cols // 2) % 4
+        c_h = ((cols // 8) % (HP // 2)) * 2 + cols % 2
+    else:
+        c_q = cols // HP
+        c_h = cols % HP
+    c_ok = (blk * BQ + c_q < R) & (c_h < H) & ((cols * 0 + n_tiles) > SEG0)
     d = tl.arange(0, DP)
     q_rows = q_ptr + b * s_qb + (I0 + blk * BQ + c_q).to(tl.int64) * s_qs + c_h * s_qh
     qT = tl.load(q_rows[None, :] + d[:, None] * s_qd, mask=c_ok[None, :] & (d[:, None] < D), other=0.0)
@@ -172,88 +192,95 @@ def _hytopk_scan_kernel(
 
     row_base = (b * R + r_loc).to(tl.int64)
     buf_rows = buf_ptr + row_base * (SC * BN)  # [BQ] row buffers
-    th_mono = tl.full([BQ], _I32_MIN, tl.int32)  # tau of each row as (mono, largest index that ties)
-    th_idx = tl.full([BQ], _I32_MAX, tl.int32)
-    fill = tl.zeros([BN, BQ], tl.int32)  # fill[j, r]: keys in slot j of row r
-    refines = tl.zeros([BQ], tl.int32)
-    nan_seen = tl.zeros([BQ], tl.int32)
-    score_sum = tl.zeros([BQ], tl.float32)
-
-    first = lo // BN
-    last = hi // BN
-    n_tiles = tl.where(hi >= lo, last - first + 1, 0)
-    n_local = tl.minimum(n_tiles, LOCAL_TILES)
-    # Segments of SEG tiles. Before each, refine every row with a slot fuller than SC - SEG, so the
-    # tile loop inside never overflows a slot and stays an innermost loop (Triton only
-    # software-pipelines innermost loops; the refine's loops would otherwise block it).
-    for seg in range(0, n_tiles, SEG):
-        if not SCORE_ONLY:
-            full = (tl.max(fill, axis=0) > SC - SEG).to(tl.int32)
-            if tl.max(full) > 0:
-                tl.debug_barrier()  # the tile loop's stores are visible to every thread
-                for r in range(0, BQ):
-                    pick = rq == r
-                    if tl.sum(tl.where(pick, full, 0)) > 0:
-                        slots = tl.sum(tl.where(pick[None, :], fill, 0), axis=1)
-                        row_ptr = buf_ptr + (b * R + blk * BQ + r).to(tl.int64) * (SC * BN)
-                        tau = tl.full([], _I64_MIN, tl.int64)  # n <= K: keep all, only rebalance
-                        if tl.sum(slots) > K:
-                            tau, _ = _select_threshold(row_ptr, slots, K, SLACK, BN, OB)
-                        kept = _compact(row_ptr, slots, tau, BN, OB)
-                        t_hi = tau >> 32
-                        t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
-                        th_mono = tl.where(pick, t_hi.to(tl.int32), th_mono)
-                        th_idx = tl.where(pick, t_idx.to(tl.int32), th_idx)
-                        fill = tl.where(pick[None, :], _balanced_slots(kept, BN)[:, None], fill)
-                        refines += pick.to(tl.int32)
-        for it in range(seg, tl.minimum(seg + SEG, n_tiles)):
-            # The tiles next to the diagonal first (recent keys are usually the strongest, so tau
-            # rises early), then the rest of the window ascending (later ties lose: few re-entries).
-            if it < n_local:
-                tile = last - it
-            else:
-                tile = first + (it - n_local)
-            offs_n = tile * BN + jj
-            k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
-            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
-            if IEEE:
-                acc = tl.dot(kt, qT, input_precision="ieee")
-            else:
-                acc = tl.dot(kt, qT)
-            if RELU:
-                acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-            acc = acc * wv[None, :]
-            if HP != H:
-                acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
-            sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)  # [BN, BQ] indexer scores
-            vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
-            if SCORE_ONLY:
-                score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
-            else:
-                # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above
-                # masked); inlined rather than a helper (helper calls are slow in the interpreter)
-                bits = sc.to(tl.int32, bitcast=True)
-                bits = tl.where(bits == _I32_MIN, 0, bits)
-                mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-                mono = tl.where(sc != sc, _NAN_MONO, mono)
-                if CHECK_NAN:
-                    nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
-                n_idx = offs_n[:, None]
-                above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
-                keep = vis & above
-                key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
-                tl.store(buf_rows[None, :] + fill * BN + jj[:, None], key, mask=keep)
-                fill += keep.to(tl.int32)
-
-    tl.store(cnt_ptr + row_base[None, :] * BN + jj[:, None], fill, mask=row_ok[None, :])
-    tl.store(refine_ptr + b * R + r_loc, refines, mask=row_ok)
+    # the rows' state from the previous launch: threshold tau as (mono, largest index that ties)
+    # and fill[j, r] = keys in slot j of row r
+    th_mono = tl.load(th_ptr + row_base * 2, mask=row_on, other=0)
+    th_idx = tl.load(th_ptr + row_base * 2 + 1, mask=row_on, other=0)
+    cnt_at = cnt_ptr + row_base[None, :] * BN + jj[:, None]
+    fill = tl.load(cnt_at, mask=row_on[None, :], other=0)
     if CHECK_NAN:
-        tl.store(nan_ptr + b * R + r_loc, nan_seen, mask=row_ok)
+        nan_seen = tl.load(nan_ptr + b * R + r_loc, mask=row_on, other=0)
     if SCORE_ONLY:
-        tl.store(dbg_ptr + b * R + r_loc, score_sum, mask=row_ok)
+        score_sum = tl.load(dbg_ptr + b * R + r_loc, mask=row_on, other=0.0)
+
+    # The tile loop is the kernel's only loop, so Triton software-pipelines it; keeping the refine
+    # (radix select + compaction) in another kernel also keeps its registers and shared memory
+    # from lowering this kernel's occupancy (measured on an H200 at 128K: 264 vs 215 ms).
+    for it in range(SEG0, tl.minimum(SEG0 + SEG, n_tiles)):
+        # The tiles next to the diagonal first (recent keys are usually the strongest, so tau
+        # rises early), then the rest of the window ascending (later ties lose: few re-entries).
+        if it < n_local:
+            tile = last - it
+        else:
+            tile = first + (it - n_local)
+        offs_n = tile * BN + jj
+        k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
+        kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
+        if IEEE:
+            acc = tl.dot(kt, qT, input_precision="ieee")
+        else:
+            acc = tl.dot(kt, qT)
+        if RELU:
+            acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        acc = acc * wv[None, :]
+        if HP != H:
+            acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
+        if BQ % 4 == 0:  # [BN, BQ] indexer scores: sum over (gh, e), keep (gq, l)
+            sc = tl.sum(tl.sum(tl.reshape(acc, (BN, BQ // 4, HP // 2, 4, 2)), axis=4), axis=2)
+            sc = tl.reshape(sc, (BN, BQ))
+        else:
+            sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)
+        vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
+        if SCORE_ONLY:
+            score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
+        else:
+            # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above
+            # masked); inlined rather than a helper (helper calls are slow in the interpreter)
+            bits = sc.to(tl.int32, bitcast=True)
+            bits = tl.where(bits == _I32_MIN, 0, bits)
+            mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            mono = tl.where(sc != sc, _NAN_MONO, mono)
+            if CHECK_NAN:
+                nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
+            n_idx = offs_n[:, None]
+            above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
+            keep = vis & above
+            key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
+            tl.store(buf_rows[None, :] + fill * BN + jj[:, None], key, mask=keep)
+            fill += keep.to(tl.int32)
+
+    tl.store(cnt_at, fill, mask=row_on[None, :])
+    if CHECK_NAN:
+        tl.store(nan_ptr + b * R + r_loc, nan_seen, mask=row_on)
+    if SCORE_ONLY:
+        tl.store(dbg_ptr + b * R + r_loc, score_sum, mask=row_on)
+
+
+@triton.jit
+def _hytopk_refine_kernel(
+    buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr,
+):  # fmt: skip
+    """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
+    threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
+    the survivors compacted to the front (a balanced slot layout) and the row's tau raised."""
+    row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
+    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+    if tl.max(slots) > LIMIT:
+        row_ptr = buf_ptr + row * (SC * NS)
+        tau = tl.full([], _I64_MIN, tl.int64)  # n <= K: keep all, only rebalance
+        if tl.sum(slots) > K:
+            tau, _ = _select_threshold(row_ptr, slots, K, SLACK, NS, OB)
+        kept = _compact(row_ptr, slots, tau, NS, OB)
+        t_hi = tau >> 32
+        t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
+        tl.store(th_ptr + row * 2, t_hi.to(tl.int32))
+        tl.store(th_ptr + row * 2 + 1, t_idx.to(tl.int32))
+        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
+        tl.store(refine_ptr + row, tl.load(refine_ptr + row) + 1)
 
 
 @triton.jit
@@ -277,16 +304,17 @@ def _hytopk_finalize_kernel(
     x = tl.load(row_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
     x_hi = x >> 32
     idx = ((x_hi + 1) << 32) - 1 - x
-    mono = x_hi.to(tl.int32)
-    bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
-    ubits = tl.where(bits < 0, bits.to(tl.int64) + 4294967296, bits.to(tl.int64))
-    order = tl.sort(tl.where(valid, (idx << 32) + ubits, _I64_MAX))  # by index ascending
-    ok = offs < kept
-    o_idx = tl.where(ok, order >> 32, -1).to(tl.int32)
     out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is + offs
-    tl.store(out_idx, o_idx, mask=offs < KOUT)
-    if WRITE_SCORES:
+    if WRITE_SCORES:  # sort (index, score bits) pairs as one int64 key
+        mono = x_hi.to(tl.int32)
+        bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
+        ubits = tl.where(bits < 0, bits.to(tl.int64) + 4294967296, bits.to(tl.int64))
+        order = tl.sort(tl.where(valid, (idx << 32) + ubits, _I64_MAX))  # by index ascending
+        tl.store(out_idx, tl.where(valid, order >> 32, -1).to(tl.int32), mask=offs < KOUT)
         o_bits = (order - ((order >> 32) << 32)).to(tl.int32)
-        o_score = tl.where(ok, o_bits.to(tl.float32, bitcast=True), float("-inf"))
+        o_score = tl.where(valid, o_bits.to(tl.float32, bitcast=True), float("-inf"))
         out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os + offs
         tl.store(out_score, o_score, mask=offs < KOUT)
+    else:  # indices only: 32-bit keys, half the data through the sorting network
+        order = tl.sort(tl.where(valid, idx.to(tl.int32), _I32_MAX))
+        tl.store(out_idx, tl.where(valid, order, -1), mask=offs < KOUT)
