@@ -218,6 +218,47 @@ def sparse_attention_reference(q, k, v, indices, scale):
     return o.reshape(B, S, Hq, Dv).to(q.dtype), lse.reshape(B, S, Hq).to(torch.float32 if dt != torch.float64 else dt)
 
 
+def tile_unions_reference(indices: torch.Tensor, tile_q: int, num_keys: int):
+    """Query tiles of ``tile_q`` consecutive queries: sorted union of their keys + membership bits.
+
+    The key lists of the tiled GQA sparse attention kernels (``sparse_attention._union_tiles``; the
+    Triton build is ``_tile_unions.tile_unions``). indices int32 [B, S, K] (-1 and keys outside
+    [0, num_keys) skipped); n = cdiv(S, tile_q) tiles per sequence, the last one padded with empty
+    queries. Returns ``(union, num, bits)``: union int32 [B, n, max_u] (each tile's distinct keys
+    ascending, -1 padded; max_u = max(1, widest tile)), num int32 [B, n] (keys per tile) and bits
+    int32 [B * n * tile_q, 4 * cdiv(max_u, 128)] (bit u of a query's row: the query selected union
+    slot u; whole 128-slot groups, so a kernel block of <= 128 slots never reads past a row).
+    Returns None when a query lists one key twice (a bit cannot count it; the per-token path can).
+    """
+    B, S, K = indices.shape
+    n_tiles = -(-S // tile_q)
+    idx = indices
+    if n_tiles * tile_q != S:
+        idx = torch.nn.functional.pad(indices, (0, 0, 0, n_tiles * tile_q - S), value=-1)
+    vals = idx.reshape(B * n_tiles, tile_q * K)
+    vals = torch.where(vals >= 0, vals, num_keys)  # -1 sorts last (keys >= num_keys are skipped too)
+    srt, order = torch.sort(vals, dim=1, stable=True)  # stable: equal keys stay in query order
+    valid = srt < num_keys
+    new = torch.ones_like(valid)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    same_query = (order[:, 1:] // K) == (order[:, :-1] // K)
+    if bool((valid[:, 1:] & ~new[:, 1:] & same_query).any()):
+        return None
+    first = new & valid
+    slot = torch.cumsum(first, dim=1, dtype=torch.int32) - 1  # union slot of each sorted entry
+    num = first.sum(dim=1, dtype=torch.int32)
+    max_u = max(1, int(num.max())) if num.numel() else 1
+    rows = torch.arange(B * n_tiles, device=idx.device)[:, None].expand_as(first)
+    union = torch.full((B * n_tiles, max_u), -1, dtype=torch.int32, device=idx.device)
+    union[rows[first], slot[first].long()] = srt[first]
+    words = 4 * (-(-max_u // 128))
+    bit_row = rows * tile_q + order // K  # the query (row of bits) each sorted entry belongs to
+    flat = (bit_row * words + (slot // 32))[valid]
+    bits = torch.zeros(B * n_tiles * tile_q * words, dtype=torch.int32, device=idx.device)
+    bits.scatter_add_(0, flat, torch.bitwise_left_shift(torch.ones_like(slot), slot % 32)[valid])  # distinct bits: + is |
+    return union.view(B, n_tiles, max_u), num.view(B, n_tiles), bits.view(-1, words)
+
+
 # ----------------------------------------------------------------------------- indexer KL loss
 
 

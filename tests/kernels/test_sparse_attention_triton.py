@@ -180,7 +180,7 @@ def test_query_tiles_share_the_union_of_their_keys(Hq, Hkv, rows, deterministic,
 
 def test_query_tiles_fall_back_to_per_token_lists_on_a_repeated_key():
     idx = distinct_indices(1, 8, 32, 10)
-    assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 16
+    assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 32
     idx[0, 3, 1] = idx[0, 3, 0] = 7
     assert sa._key_lists(idx, 32, 4, wide=False).tile_q == 0
 
