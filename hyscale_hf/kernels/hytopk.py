@@ -179,7 +179,10 @@ def _hytopk_triton(
     if cfg.maxnreg and not interp:
         launch["maxnreg"] = cfg.maxnreg
     small = {} if interp else {"num_warps": 4}
-    chunk_tiles = _chunk_tiles(start, T, BQ, BN, R)  # one sync: how many scan launches each chunk needs
+    if cu_seqlens is None and window_start is None:  # windows [0, T - S + i]: known without a sync
+        chunk_tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in range(0, S, R)]
+    else:  # one sync: how many scan launches each chunk needs
+        chunk_tiles = _chunk_tiles(start, T, BQ, BN, R)
     for i0, n_tiles in zip(range(0, S, R), chunk_tiles):
         rc = min(R, S - i0)
         cnt.zero_()

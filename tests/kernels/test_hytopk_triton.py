@@ -133,3 +133,25 @@ def test_custom_op_schema_and_fake(backend, return_scores):
     q, k, w = int_inputs(1, 12, 12, 4, 16, device=DEV, seed=12)
     args = (q, k, w, 5, None, None, True, False, backend, return_scores)
     torch.library.opcheck(torch.ops.hyscale.hytopk.default, args)
+
+
+
+@pytest.mark.parametrize("S,T,BQ,BN,R", [(37, 37, 4, 16, 8), (20, 50, 2, 16, 6), (64, 64, 8, 64, 64), (5, 300, 4, 16, 4)])
+def test_chunk_tiles_counts_the_longest_block_walk(S, T, BQ, BN, R):
+    """Scan launches per chunk = the tiles its longest block walks (brute force below); without
+    cu_seqlens / window_start the host uses a no-sync formula, which must agree on causal windows."""
+    g = torch.Generator().manual_seed(S + T)
+    for start in (torch.zeros(2, S, dtype=torch.int32), torch.randint(0, T, (2, S), generator=g, dtype=torch.int32)):
+        want = []
+        for i0 in range(0, S, R):
+            best = 0
+            for b0 in range(i0, min(S, i0 + R), BQ):
+                for b in range(2):  # a block of batch row b: BQ rows of the chunk
+                    win = [(int(start[b, i]), T - S + i) for i in range(b0, min(S, i0 + R, b0 + BQ))]
+                    win = [(lo, hi) for lo, hi in win if lo <= hi]
+                    if win:
+                        best = max(best, max(hi for _, hi in win) // BN - min(lo for lo, _ in win) // BN + 1)
+            want.append(best)
+        assert mod._chunk_tiles(start, T, BQ, BN, R) == want
+        if not bool(start.any()):
+            assert want == [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in range(0, S, R)]
