@@ -50,6 +50,20 @@ def _attn_logits_tile(aq_ptr, ak_ptr, q_rows, row_mask, k_rows, key_mask, DQK,
 
 
 @triton.jit
+def _indexer_query(iq_ptr, iw_ptr, b, i, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, H, D,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Query i of batch b's indexer heads: offsets, masks, q [BLOCK_H, BLOCK_D] and w [BLOCK_H]."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < H
+    dmask = offs_d < D
+    q = tl.load(iq_ptr + b * s_iq_b + i * s_iq_s + offs_h[:, None] * s_iq_h + offs_d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(iw_ptr + b * s_iw_b + i * s_iw_s + offs_h, mask=hmask, other=0.0)
+    return offs_h, offs_d, hmask, dmask, q, w
+
+
+@triton.jit
 def _attn_lse_kernel(
     idx_ptr, aq_ptr, ak_ptr, lse_ptr,
     S, K, DQK, G, HKV,
@@ -99,13 +113,9 @@ def _indexer_kl_fwd_kernel(
     i = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = b * S + i
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    hmask = offs_h < H
-    dmask = offs_d < D
-    q = tl.load(iq_ptr + b * s_iq_b + i * s_iq_s + offs_h[:, None] * s_iq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
-    w = tl.load(iw_ptr + b * s_iw_b + i * s_iw_s + offs_h, mask=hmask, other=0.0)
+    offs_h, offs_d, hmask, dmask, q, w = _indexer_query(
+        iq_ptr, iw_ptr, b, i, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, H, D, BLOCK_H, BLOCK_D
+    )
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < G
     HQ = HKV * G
@@ -172,13 +182,9 @@ def _indexer_kl_bwd_kernel(
     i = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = b * S + i
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    hmask = offs_h < H
-    dmask = offs_d < D
-    q = tl.load(iq_ptr + b * s_iq_b + i * s_iq_s + offs_h[:, None] * s_iq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
-    w = tl.load(iw_ptr + b * s_iw_b + i * s_iw_s + offs_h, mask=hmask, other=0.0)
+    offs_h, offs_d, hmask, dmask, q, w = _indexer_query(
+        iq_ptr, iw_ptr, b, i, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, H, D, BLOCK_H, BLOCK_D
+    )
     g = tl.load(gkl_ptr + b * s_gkl_b + i * s_gkl_s).to(tl.float32)
     z = tl.load(z_ptr + row)
     lse_i = tl.load(lsei_ptr + row)

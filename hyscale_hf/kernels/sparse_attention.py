@@ -78,13 +78,31 @@ if triton is not None:
             count = tl.load(NUM + b * num_tiles + pid0)
             bits_rows = BITS + ((b * num_tiles + pid0) * tile_q + row_m) * stride_bits
         else:
-            offs_hg = hb * BLOCK_H + rows
             row_t = pid0 + tl.zeros([BLOCK_H], tl.int64)
-            row_h = (g * group + offs_hg).to(tl.int64)
-            rmask = offs_hg < group
+            row_h, rmask = _block_heads(hb, g, group, BLOCK_H)
             count = num_idx
             bits_rows = BITS
         return row_t, row_h, rmask, count, bits_rows
+
+    @triton.jit
+    def _head_block(num_head_blocks, num_kv_heads):
+        """(head block, KV head, batch) of this program: grid axis 1 is laid out as B * Hkv * NHB."""
+        pid = tl.program_id(1)
+        hb = pid % num_head_blocks
+        g = (pid // num_head_blocks) % num_kv_heads
+        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+        return hb, g, b
+
+    @triton.jit
+    def _block_heads(hb, g, group, BLOCK_H: tl.constexpr):
+        """Query heads of head block hb of KV head g (int64) and which of the BLOCK_H exist."""
+        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        return (g * group + offs_hg).to(tl.int64), offs_hg < group
+
+    @triton.jit
+    def _load_rows(rows, cols, stride_d, rmask):
+        """Tile [rows, cols] of a [..., D] tensor: ``rows`` row base pointers, ``cols`` column offsets."""
+        return tl.load(rows[:, None] + cols[None, :] * stride_d, mask=rmask[:, None], other=0.0)
 
     @triton.jit
     def _member(live, bits_rows, rmask, start, TILED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -116,10 +134,7 @@ if triton is not None:
     ):  # fmt: skip
         """o and lse of one program's rows (see _program_rows); grid (S or tiles, B * Hkv * NHB)."""
         pid0 = tl.program_id(0).to(tl.int64)
-        pid = tl.program_id(1)
-        hb = pid % num_head_blocks
-        g = (pid // num_head_blocks) % num_kv_heads
-        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+        hb, g, b = _head_block(num_head_blocks, num_kv_heads)
         row_t, row_h, rmask, count, bits_rows = _program_rows(
             NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits, TILED, BLOCK_H
         )
@@ -127,10 +142,10 @@ if triton is not None:
         offs_v = tl.arange(0, DV)
 
         q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
-        q1 = tl.load(q_rows[:, None] + offs_d1[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
+        q1 = _load_rows(q_rows, offs_d1, stride_qd, rmask)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = tl.load(q_rows[:, None] + offs_d2[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
+            q2 = _load_rows(q_rows, offs_d2, stride_qd, rmask)
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh
         idx_row = IDX + b * stride_ib + pid0 * stride_is
@@ -201,10 +216,7 @@ if triton is not None:
         """
         t_local = tl.program_id(0).to(tl.int64)
         pid0 = t_offset + t_local
-        pid = tl.program_id(1)
-        hb = pid % num_head_blocks
-        g = (pid // num_head_blocks) % num_kv_heads
-        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+        hb, g, b = _head_block(num_head_blocks, num_kv_heads)
         row_t, row_h, rmask, count, bits_rows = _program_rows(
             NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits, TILED, BLOCK_H
         )
@@ -212,14 +224,14 @@ if triton is not None:
         offs_v = tl.arange(0, DV)
 
         q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
-        q1 = tl.load(q_rows[:, None] + offs_d1[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
+        q1 = _load_rows(q_rows, offs_d1, stride_qd, rmask)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = tl.load(q_rows[:, None] + offs_d2[None, :] * stride_qd, mask=rmask[:, None], other=0.0)
+            q2 = _load_rows(q_rows, offs_d2, stride_qd, rmask)
         do_rows = DO + b * stride_dob + row_t * stride_dos + row_h * stride_doh
-        do = tl.load(do_rows[:, None] + offs_v[None, :] * stride_dod, mask=rmask[:, None], other=0.0)
+        do = _load_rows(do_rows, offs_v, stride_dod, rmask)
         o_rows = OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh
-        o = tl.load(o_rows[:, None] + offs_v[None, :] * stride_od, mask=rmask[:, None], other=0.0)
+        o = _load_rows(o_rows, offs_v, stride_od, rmask)
         # delta = rowsum(dO * O) - dlse: d(loss)/d(logit_j) = p_j * (dp_j - delta)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         if HAS_DLSE:
@@ -324,26 +336,19 @@ if triton is not None:
         """
         t_local = tl.program_id(0).to(tl.int64)
         t = t_offset + t_local
-        pid = tl.program_id(1)
-        hb = pid % num_head_blocks
-        g = (pid // num_head_blocks) % num_kv_heads
-        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+        hb, g, b = _head_block(num_head_blocks, num_kv_heads)
 
-        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = offs_hg < group
-        heads = (g * group + offs_hg).to(tl.int64)
+        heads, hmask = _block_heads(hb, g, group, BLOCK_H)
         offs_d1 = tl.arange(0, D1)
         offs_v = tl.arange(0, DV)
 
-        q_rows = Q + b * stride_qb + t * stride_qs + heads[:, None] * stride_qh
-        q1 = tl.load(q_rows + offs_d1[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
+        q_rows = Q + b * stride_qb + t * stride_qs + heads * stride_qh
+        q1 = _load_rows(q_rows, offs_d1, stride_qd, hmask)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = tl.load(q_rows + offs_d2[None, :] * stride_qd, mask=hmask[:, None], other=0.0)
-        do_rows = DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh
-        do = tl.load(do_rows + offs_v[None, :] * stride_dod, mask=hmask[:, None], other=0.0)
-        o_rows = OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh
-        o = tl.load(o_rows + offs_v[None, :] * stride_od, mask=hmask[:, None], other=0.0)
+            q2 = _load_rows(q_rows, offs_d2, stride_qd, hmask)
+        do = _load_rows(DO + b * stride_dob + t * stride_dos + heads * stride_doh, offs_v, stride_dod, hmask)
+        o = _load_rows(OUT + b * stride_ob + t * stride_os + heads * stride_oh, offs_v, stride_od, hmask)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         if HAS_DLSE:
             dlse = tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
@@ -426,15 +431,10 @@ if triton is not None:
         """
         t_local = tl.program_id(0).to(tl.int64)
         t = t_offset + t_local
-        pid = tl.program_id(1)
         j = tl.program_id(2)
-        hb = pid % num_head_blocks
-        g = (pid // num_head_blocks) % num_kv_heads
-        b = (pid // (num_head_blocks * num_kv_heads)).to(tl.int64)
+        hb, g, b = _head_block(num_head_blocks, num_kv_heads)
 
-        offs_hg = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = offs_hg < group
-        heads = (g * group + offs_hg).to(tl.int64)
+        heads, hmask = _block_heads(hb, g, group, BLOCK_H)
         offs_c = j * SLAB + tl.arange(0, SLAB)
         # Vector forms of "this program owns the D2 tail" (masks need tensors, not a scalar bool).
         last_n = (tl.zeros([BLOCK_N], tl.int32) + j) == D1 // SLAB - 1
