@@ -167,6 +167,7 @@ def _hytopk_triton(
     refine = torch.empty(B, R, dtype=torch.int32, device=dev)
     nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
     dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else cnt
+    dbg_rows = torch.empty(B, R, dtype=torch.float32, device=dev) if score_only else cnt  # per chunk
     n_out = topk if return_scores else 0
     if topk > K:  # columns no row can fill
         indices = torch.full((B, S, topk), -1, dtype=torch.int32, device=dev)
@@ -189,6 +190,8 @@ def _hytopk_triton(
         th[..., 0] = -(2**31)  # tau = the smallest key: keep everything until the first refine
         th[..., 1] = 2**31 - 1
         refine.zero_()
+        if score_only:
+            dbg_rows.zero_()
         for seg0 in range(0, n_tiles, seg):
             # A slot gains at most one key per tile, so none can be fuller than SC - seg before
             # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
@@ -197,7 +200,7 @@ def _hytopk_triton(
                     buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, **small
                 )  # fmt: skip
             _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
-                q, k, w, start, buf, cnt, th, nan_rows, dbg[:, i0:] if score_only else dbg,
+                q, k, w, start, buf, cnt, th, nan_rows, dbg_rows,
                 S, T, i0, rc, seg0, SC - seg,
                 *q.stride(), *k.stride(), *w.stride(), *start.stride(),
                 H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
@@ -205,6 +208,8 @@ def _hytopk_triton(
                 UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only,
                 **launch,
             )  # fmt: skip
+        if score_only:
+            dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
         if score_only or scan_only:
             continue
         _kernels._hytopk_finalize_kernel[(rc, B)](

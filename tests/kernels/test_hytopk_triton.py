@@ -155,3 +155,13 @@ def test_chunk_tiles_counts_the_longest_block_walk(S, T, BQ, BN, R):
         assert mod._chunk_tiles(start, T, BQ, BN, R) == want
         if not bool(start.any()):
             assert want == [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in range(0, S, R)]
+
+
+def test_score_only_sums_each_rows_visible_scores():
+    """The benchmarks' scoring-only knob: per-row sums of the visible indexer scores, B = 2, several chunks."""
+    q, k, w = int_inputs(2, 24, 40, 4, 16, seed=3, device=DEV)
+    got = mod._hytopk_triton(q, k, w, 8, score_only=True, chunk_rows=8)
+    scores = torch.einsum("bshd,btd->bsht", q.double(), k.double()).relu().mul(w.double()[..., None]).sum(2)
+    visible = torch.arange(40)[None, :] <= (40 - 24 + torch.arange(24))[:, None]
+    want = scores.cpu().masked_fill(~visible, 0).sum(-1)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-6, atol=1e-6)
