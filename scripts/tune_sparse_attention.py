@@ -77,6 +77,12 @@ def sweep(name, kind, configs, T, idx, budget_ms):
 
                 row["ms"] = timed(bwd, budget_ms=budget_ms)
                 del o
+        except torch.AcceleratorError as e:  # a device fault poisons the CUDA context: nothing after it can run
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            sa._CONFIG_OVERRIDES.clear()
+            raise ContextLost(rows) from e
         except Exception as e:  # noqa: BLE001 - a config that does not fit is a result, not a crash
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["wall_s"] = round(time.time() - t0, 1)
@@ -84,6 +90,14 @@ def sweep(name, kind, configs, T, idx, budget_ms):
         rows.append(row)
     sa._CONFIG_OVERRIDES.clear()
     return rows
+
+
+class ContextLost(RuntimeError):
+    """A config faulted on the device; carries the rows measured before it."""
+
+    def __init__(self, rows):
+        super().__init__("CUDA context lost")
+        self.rows = rows
 
 
 def main():
@@ -106,11 +120,19 @@ def main():
     sa._CONFIG_OVERRIDES.clear()
     table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
     results = []
+    lost = None
+    device = torch.cuda.get_device_name()  # read now: after a device fault CUDA calls fail
     for part in filter(None, args.only.split(",")):
         name, kind = part.split("_")
-        results += sweep(name, kind, table[part], args.T, idx, args.budget_ms)
+        try:
+            results += sweep(name, kind, table[part], args.T, idx, args.budget_ms)
+        except ContextLost as e:
+            results += e.rows
+            lost = part
         with open(os.path.join(args.out, "tune_sparse_attention.json"), "w") as f:
-            json.dump(dict(T=args.T, K=args.K, device=torch.cuda.get_device_name(), rows=results), f, indent=1)
+            json.dump(dict(T=args.T, K=args.K, device=device, rows=results), f, indent=1)
+        if lost:  # later configs would all fail with the same sticky error
+            sys.exit(f"stopped in {lost}: the last config faulted on the device; rerun the rest without it")
 
 
 if __name__ == "__main__":
