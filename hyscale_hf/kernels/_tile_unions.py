@@ -5,9 +5,9 @@ A tile holds ``tile_q`` consecutive queries. Its key list is the sorted union of
 the union slots (``bits``). The pure-torch reference (and the exact output contract) is
 ``reference.tile_unions_reference``; this module returns exactly the same tensors.
 
-The torch reference sorts every tile's ``tile_q * K`` entries: 55-62 ms at T = 128K, K = 2048,
-tile_q = 16 on an H200, about a third of the GQA forward+backward. Keys are integers below T, so a
-per-tile presence bitmap replaces the sort:
+The torch reference sorts every tile's ``tile_q * K`` entries: about 55 ms at T = 128K, K = 2048
+on an H200 (``scripts/tune_sparse_attention.py`` times both builds), a third of the GQA
+forward+backward then. Keys are integers below T, so a per-tile presence bitmap replaces the sort:
 
 1. ``_tile_bitmap_kernel``: every valid entry ORs its bit into the tile's bitmap (atomics) and the
    tile's [min, max] key is kept, so later passes walk only that word range.
