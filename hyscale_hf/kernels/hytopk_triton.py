@@ -127,6 +127,16 @@ def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
 
 
 @triton.jit
+def _keep_top(row_ptr, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
+    """Keep a row's keys >= tau, compacted to the front, with K <= kept <= K + SLACK when the row
+    holds more than K keys (else tau = the smallest key: all kept). Returns (tau, kept)."""
+    tau = tl.full([], _I64_MIN, tl.int64)
+    if tl.sum(slots) > K:
+        tau, _ = _select_threshold(row_ptr, slots, K, SLACK, NS, OB)
+    return tau, _compact(row_ptr, slots, tau, NS, OB)
+
+
+@triton.jit
 def _balanced_slots(n, NS: tl.constexpr):
     """Slot fill counts of n keys stored contiguously: slot j holds entries j, j + NS, ... < n."""
     return (n - tl.arange(0, NS) + NS - 1) // NS
@@ -270,11 +280,7 @@ def _hytopk_refine_kernel(
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     if tl.max(slots) > LIMIT:
-        row_ptr = buf_ptr + row * (SC * NS)
-        tau = tl.full([], _I64_MIN, tl.int64)  # n <= K: keep all, only rebalance
-        if tl.sum(slots) > K:
-            tau, _ = _select_threshold(row_ptr, slots, K, SLACK, NS, OB)
-        kept = _compact(row_ptr, slots, tau, NS, OB)
+        tau, kept = _keep_top(buf_ptr + row * (SC * NS), slots, K, SLACK, NS, OB)  # n <= K: only rebalance
         t_hi = tau >> 32
         t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
         tl.store(th_ptr + row * 2, t_hi.to(tl.int32))
@@ -295,10 +301,7 @@ def _hytopk_finalize_kernel(
     row = (b * R + r).to(tl.int64)
     row_ptr = buf_ptr + row * (SC * NS)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
-    tau = tl.full([], _I64_MIN, tl.int64)
-    if tl.sum(slots) > K:
-        tau, _ = _select_threshold(row_ptr, slots, K, 0, NS, OB)
-    kept = _compact(row_ptr, slots, tau, NS, OB)  # the top K (or all), contiguous
+    _, kept = _keep_top(row_ptr, slots, K, 0, NS, OB)  # the top K (or all), contiguous
     offs = tl.arange(0, BLOCK_K)
     valid = offs < kept
     x = tl.load(row_ptr + offs, mask=valid, other=0, cache_modifier=".cg")

@@ -64,6 +64,22 @@ def _indexer_query(iq_ptr, iw_ptr, b, i, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s,
 
 
 @triton.jit
+def _indexer_key_tile(ik_ptr, idx_ptr, q, b, i, k0, K, s_ik_b, s_ik_t, s_idx_b, s_idx_s, offs_d, dmask,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Selected-key tile k0 of query i: slot offsets and mask, which slots hold a key, the key rows
+    (index 0 where none, loaded as zeros) and the per-head products qk [BLOCK_H, BLOCK_K] fp32."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    idx = tl.load(idx_ptr + b * s_idx_b + i * s_idx_s + offs_k, mask=kmask, other=-1)
+    valid = idx >= 0
+    safe_idx = tl.where(valid, idx, 0).to(tl.int64)
+    kt = tl.load(ik_ptr + b * s_ik_b + safe_idx[:, None] * s_ik_t + offs_d[None, :],
+                 mask=valid[:, None] & dmask[None, :], other=0.0)
+    qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION)  # [BLOCK_H, BLOCK_K]
+    return offs_k, kmask, valid, safe_idx, kt, qk
+
+
+@triton.jit
 def _attn_lse_kernel(
     idx_ptr, aq_ptr, ak_ptr, lse_ptr,
     S, K, DQK, G, HKV,
@@ -126,14 +142,9 @@ def _indexer_kl_fwd_kernel(
     a = tl.zeros((), tl.float32)  # sum P log P
     c = tl.zeros((), tl.float32)  # sum P I
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        idx = tl.load(idx_ptr + b * s_idx_b + i * s_idx_s + offs_k, mask=kmask, other=-1)
-        valid = idx >= 0
-        safe_idx = tl.where(valid, idx, 0).to(tl.int64)
-        kt = tl.load(ik_ptr + b * s_ik_b + safe_idx[:, None] * s_ik_t + offs_d[None, :],
-                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION_I)  # [BLOCK_H, BLOCK_K]
+        offs_k, kmask, valid, safe_idx, kt, qk = _indexer_key_tile(
+            ik_ptr, idx_ptr, q, b, i, k0, K, s_ik_b, s_ik_t, s_idx_b, s_idx_s, offs_d, dmask, BLOCK_K, PRECISION_I
+        )
         if RELU:
             qk = tl.maximum(qk, 0.0)
         logit_i = tl.sum(qk * w[:, None], axis=0)  # 0 on invalid keys (their k rows load as 0)
@@ -194,14 +205,9 @@ def _indexer_kl_bwd_kernel(
     dq = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     dw = tl.zeros((BLOCK_H,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        idx = tl.load(idx_ptr + b * s_idx_b + i * s_idx_s + offs_k, mask=kmask, other=-1)
-        valid = idx >= 0
-        safe_idx = tl.where(valid, idx, 0).to(tl.int64)
-        kt = tl.load(ik_ptr + b * s_ik_b + safe_idx[:, None] * s_ik_t + offs_d[None, :],
-                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+        offs_k, kmask, valid, safe_idx, kt, qk = _indexer_key_tile(
+            ik_ptr, idx_ptr, q, b, i, k0, K, s_ik_b, s_ik_t, s_idx_b, s_idx_s, offs_d, dmask, BLOCK_K, PRECISION
+        )
         r = qk
         if RELU:
             r = tl.maximum(qk, 0.0)

@@ -105,6 +105,17 @@ if triton is not None:
         return tl.load(rows[:, None] + cols[None, :] * stride_d, mask=rmask[:, None], other=0.0)
 
     @triton.jit
+    def _load_q(Q, b, row_t, row_h, rmask, stride_qb, stride_qs, stride_qh, stride_qd,
+                D1: tl.constexpr, D2: tl.constexpr):
+        """The rows' q: columns [0, D1) and, when D2 > 0, the tail [D1, D1 + D2) (else q1 again, unused)."""
+        q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
+        q1 = _load_rows(q_rows, tl.arange(0, D1), stride_qd, rmask)
+        q2 = q1
+        if D2 > 0:
+            q2 = _load_rows(q_rows, D1 + tl.arange(0, D2), stride_qd, rmask)
+        return q1, q2
+
+    @triton.jit
     def _member(live, bits_rows, rmask, start, TILED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         """Tiled: keep (row, key) only where the row's query selected that union key (bit set).
 
@@ -140,12 +151,9 @@ if triton is not None:
         )
         offs_d1 = tl.arange(0, D1)
         offs_v = tl.arange(0, DV)
-
-        q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
-        q1 = _load_rows(q_rows, offs_d1, stride_qd, rmask)
+        q1, q2 = _load_q(Q, b, row_t, row_h, rmask, stride_qb, stride_qs, stride_qh, stride_qd, D1, D2)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = _load_rows(q_rows, offs_d2, stride_qd, rmask)
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh
         idx_row = IDX + b * stride_ib + pid0 * stride_is
@@ -222,12 +230,9 @@ if triton is not None:
         )
         offs_d1 = tl.arange(0, D1)
         offs_v = tl.arange(0, DV)
-
-        q_rows = Q + b * stride_qb + row_t * stride_qs + row_h * stride_qh
-        q1 = _load_rows(q_rows, offs_d1, stride_qd, rmask)
+        q1, q2 = _load_q(Q, b, row_t, row_h, rmask, stride_qb, stride_qs, stride_qh, stride_qd, D1, D2)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = _load_rows(q_rows, offs_d2, stride_qd, rmask)
         do_rows = DO + b * stride_dob + row_t * stride_dos + row_h * stride_doh
         do = _load_rows(do_rows, offs_v, stride_dod, rmask)
         o_rows = OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh
@@ -342,11 +347,9 @@ if triton is not None:
         offs_d1 = tl.arange(0, D1)
         offs_v = tl.arange(0, DV)
 
-        q_rows = Q + b * stride_qb + t * stride_qs + heads * stride_qh
-        q1 = _load_rows(q_rows, offs_d1, stride_qd, hmask)
+        q1, q2 = _load_q(Q, b, t, heads, hmask, stride_qb, stride_qs, stride_qh, stride_qd, D1, D2)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-            q2 = _load_rows(q_rows, offs_d2, stride_qd, hmask)
         do = _load_rows(DO + b * stride_dob + t * stride_dos + heads * stride_doh, offs_v, stride_dod, hmask)
         o = _load_rows(OUT + b * stride_ob + t * stride_os + heads * stride_oh, offs_v, stride_od, hmask)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
