@@ -29,9 +29,7 @@ sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
 # kernel (SLAB, BLOCK_N, num_warps, num_stages). Candidates fit sm_90's 227 KB of shared memory.
 MLA_FWD = [(32, 8, 2), (32, 8, 3), (64, 8, 2)]
 MLA_BWD = [(16, 4, 3), (16, 4, 2), (16, 8, 2)]  # num_stages 1 hit an illegal address (H200, Triton 3.6)
-MLA_SPREAD = [(1,), (4,), (8,), (16,), (64,)]  # (regions,): spread of concurrent dK/dV programs
-MLA_DQ = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3),
-          (64, 128, 4, 3), (128, 128, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4)]
+MLA_DQ = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3)]
 GQA_FWD = [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
 GQA_BWD = [(64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3), (256, 32, 8, 2)]
 
@@ -53,12 +51,10 @@ def sweep(name, kind, configs, T, idx, budget_ms):
     do = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
     rows = []
     for cfg in configs:
-        *first, bn, warps, stages = cfg if len(cfg) > 1 else (None, None, None)
+        *first, bn, warps, stages = cfg
         sa._CONFIG_OVERRIDES.clear()
         over = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         key = "bwd_dq" if kind == "dq" else kind
-        if kind == "spread":  # program order of the split dK/dV kernel: (regions,) over the default tiles
-            over, key = dict(spread=cfg[0]), "bwd"
         if first and name == "mla":
             over["SLAB"] = first[0]
         elif first:  # GQA runs the tiled kernels; first = tile rows
@@ -122,7 +118,7 @@ def main():
         print(json.dumps(dict(union_build_rows=rows, ms=ms, torch_reference_ms=torch_ms,
                               max_union=lists.idx.shape[2], mean_union=float(lists.num.float().mean()))), flush=True)
     sa._CONFIG_OVERRIDES.clear()
-    table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_spread=MLA_SPREAD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
+    table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
     results = []
     lost = None
     device = torch.cuda.get_device_name()  # read now: after a device fault CUDA calls fail

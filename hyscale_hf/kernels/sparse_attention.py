@@ -37,7 +37,6 @@ dV is added into the same accumulator rows as dK (one buffer, half the atomics o
 whole gradient is returned for ``k``; autograd's view machinery then routes it to the shared storage.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -326,7 +325,7 @@ if triton is not None:
         stride_dlb, stride_dls, stride_dlh,
         stride_dsb, stride_dss, stride_dsh,
         stride_ab, stride_at, stride_ah,
-        t_offset, chunk_len, spread, num_idx, num_kv_heads, group, num_head_blocks,
+        t_offset, chunk_len, num_idx, num_kv_heads, group, num_head_blocks,
         sm_scale, qk_scale,
         D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
         MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
@@ -338,11 +337,9 @@ if triton is not None:
         accumulator ([64, 576] fp32 does not fit next to the rest in registers): it stores
         ``scale * dS`` (q's dtype) to ``DS[b, token - t_offset, head, slot]`` for the dQ kernel, and
         forms the contributions transposed (``Q^T dS``: key dims as the matmul M side), which keeps
-        one shared-memory copy of Q and dO. Program p takes token ``p * spread mod chunk_len``
-        (``spread`` coprime with chunk_len): programs that run at the same time then sit far apart
-        and add into fewer of the same key rows at once.
+        one shared-memory copy of Q and dO.
         """
-        t_local = (tl.program_id(0).to(tl.int64) * spread) % chunk_len
+        t_local = tl.program_id(0).to(tl.int64)
         t = t_offset + t_local
         hb, g, b = _head_block(num_head_blocks, num_kv_heads)
 
@@ -579,10 +576,8 @@ def _config(kind: str, group: int, dqk: int, dv: int, num_idx: int) -> dict:
         # [64, 576] fp32 dQ accumulator does not fit beside the rest. BLOCK_N 16 keeps the split
         # dK/dV kernel under sm_90's 227 KB of shared memory; 4 warps beat 8 there (78 vs 108 ms), and
         # 3 stages beat 2 (H200: 35.3 vs 36.8 ms at 8K, 590 vs 636 ms at 128K).
-        # spread 16: the split dK/dV programs that run together come from 16 regions of the sequence
-        # (H200, scripts/tune_sparse_attention.py: 35.8 -> 35.1 ms at 8K, 595 -> 591 ms at 128K).
         cfg = dict(BLOCK_H=block_h, BLOCK_N=16 if wide else 32, num_warps=4 if wide or block_h < 64 else 8,
-                   num_stages=3 if wide else 2, spread=16)
+                   num_stages=3 if wide else 2)
         cfg["split"] = wide
     elif kind == "bwd_dq":  # dQ of the split backward, SLAB columns of the key dims per program
         cfg = dict(SLAB=128, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -743,8 +738,7 @@ def _sparse_attention_bwd(q, k, v, lists, o, lse, do, dlse, scale: float, merge_
             _sparse_attn_bwd_dkv_kernel[(count, grid_heads)](
                 q, k, v, idx, o, do, lse, dlse_t, ds_buf, target, *args,
                 ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
-                t0, count, _spread_stride(count, cfg.get("spread", 1)), L, Hkv, group, nhb, scale, scale * _LOG2E,
-                SCRATCH=deterministic, **common,
+                t0, count, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
             )  # fmt: skip
             qcfg = _config("bwd_dq", group, Dqk, Dv, L)
             slab = min(d1, qcfg["SLAB"])
@@ -767,16 +761,6 @@ def _sparse_attention_bwd(q, k, v, lists, o, lse, do, dlse, scale: float, merge_
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
     return dq, dk, dv
-
-
-def _spread_stride(n: int, parts: int) -> int:
-    """A stride near n / parts that is coprime with n (p -> p * stride mod n is then a permutation)."""
-    if parts <= 1 or n < 2 * parts:
-        return 1
-    stride = n // parts
-    while math.gcd(stride, n) != 1:
-        stride += 1
-    return stride
 
 
 def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:

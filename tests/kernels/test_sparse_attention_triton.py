@@ -86,30 +86,21 @@ def test_gqa_forward_and_grads(deterministic):
     assert o[-1, 2].abs().max() == 0 and torch.isinf(lse[-1, 2]).all() and grads[0][-1, 2].abs().max() == 0
 
 
-def use_split_backward(monkeypatch, spread=1):
+def use_split_backward(monkeypatch):
     """Force the two-kernel backward (dS + dK/dV, then dQ by column slabs) used for wide rows (MLA)."""
-    over = {"fwd": {"BLOCK_N": 16}, "bwd": {"BLOCK_N": 16, "split": True, "spread": spread},
-            "bwd_dq": {"BLOCK_N": 16, "SLAB": 16}}  # fmt: skip
+    over = {"fwd": {"BLOCK_N": 16}, "bwd": {"BLOCK_N": 16, "split": True}, "bwd_dq": {"BLOCK_N": 16, "SLAB": 16}}
     monkeypatch.setattr(sa, "_CONFIG_OVERRIDES", over)
 
 
-@pytest.mark.parametrize("split", [0, 1, 3], ids=["fused", "split", "split_spread"])
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_mla_absorbed_v_view_of_k(deterministic, split, monkeypatch):
     # Dqk = 48 = 32 + 16 (the 576 = 512 + 64 split in miniature); v = k[..., :32] shares k's buffer.
-    # split_spread: the dK/dV programs visit the 10 tokens with stride 3 (a permutation).
     if split:
-        use_split_backward(monkeypatch, spread=split)
+        use_split_backward(monkeypatch)
     q, k, v, idx = make(B=2, S=10, T=16, Hq=16, Hkv=1, Dqk=48, Dv=32, K=20, v_mode="view")
     assert sa._v_grad_flows_into_k(k, v)
     assert_matches_reference(q, k, v, idx, deterministic)
-
-
-@pytest.mark.parametrize("n,parts", [(10, 3), (64, 8), (8192, 8), (8191, 16), (5, 4), (7, 1)])
-def test_spread_stride_is_a_permutation(n, parts):
-    stride = sa._spread_stride(n, parts)
-    assert sorted((p * stride) % n for p in range(n)) == list(range(n))
-    assert stride == 1 or stride >= n // parts
 
 
 def test_split_backward_with_separate_v_and_query_chunks(monkeypatch):
