@@ -206,9 +206,9 @@ def sweep(T, tflops, stats_mod, reps, configs):
 def sweep_configs(stats_mod):
     cfg = stats_mod.HyTopKConfig
     return [
-        (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, finalize_warps=2), None),
-        (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None), (cfg(8, 64, 4, 2), None),
-        (cfg(4, 64, 4, 2), 8 * TOPK), (cfg(4, 64, 4, 2, finalize_warps=8), 8 * TOPK),
+        (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
+        (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
+        (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 8 * TOPK),
     ]  # fmt: skip
 
 

@@ -35,8 +35,10 @@ except ImportError:  # pragma: no cover
 # Global scratch for the per-row candidate buffers of one launch (about 4 * topk int64 keys per row).
 # Longer inputs run in query chunks that reuse it, so extra memory stays O(B*S*topk) + this.
 SCRATCH_BYTES = 1 << 30
-# Largest K (= min(topk, T)) the kernel sorts in registers; larger K use the (exact) torch path.
+# Largest K (= min(topk, T)) the Triton path takes; larger K use the (exact) torch path.
 MAX_TRITON_TOPK = 4096
+# Scratch of the final per-row selection (bitmaps + word ranks of its persistent programs).
+FINALIZE_SCRATCH_BYTES = 128 << 20
 
 _STATS: dict = {"calls": 0, "rows": 0}
 _STATS_DEVICE: dict = {}  # device -> int64 [2]: rows refined, refinements (added without a sync)
@@ -69,7 +71,8 @@ class HyTopKConfig:
     num_stages: int = 2
     CH: int = 1024  # buffer keys per step of the radix select / compaction
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
-    finalize_warps: int = 4  # warps of the per-row final selection + sort
+    finalize_warps: int = 4  # warps of the per-row final selection
+    refine_warps: int = 4  # warps of the per-row buffer refine
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -85,6 +88,14 @@ def _pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> Hy
     # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
     # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
     return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+
+
+def _finalize_programs(device: torch.device) -> int:
+    """Programs of the persistent final selection: a few per SM (4 on the interpreter, which still
+    walks several rows per program)."""
+    if device.type != "cuda":
+        return 4
+    return 6 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[int]:
@@ -140,12 +151,12 @@ def _hytopk_triton(
     HP, DP = triton.next_power_of_2(H), max(16, triton.next_power_of_2(D))
     BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
-    BLOCK_K = triton.next_power_of_2(K)
     # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
     # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
     # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
     if cap is None:
-        cap = max(4 * BLOCK_K, BLOCK_K + 4 * BN)
+        k_pow2 = triton.next_power_of_2(K)
+        cap = max(4 * k_pow2, k_pow2 + 4 * BN)
     k_slots = triton.cdiv(K, BN)
     SC = max(triton.cdiv(cap, BN), k_slots + 2)
     seg = max(1, (SC - k_slots) // 3)
@@ -163,7 +174,10 @@ def _hytopk_triton(
     dev = q.device
     buf = torch.empty(B, R, SC * BN, dtype=torch.int64, device=dev)
     cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
-    th = torch.empty(B, R, 2, dtype=torch.int32, device=dev)  # threshold (mono, index) per row
+    # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
+    th = torch.empty(B, R, 4, dtype=torch.int32, device=dev)
+    # tau = the smallest key (keep everything until the first refine); nothing stored: an empty range
+    th_init = torch.tensor([-(2**31), 2**31 - 1, 2**31 - 1, -(2**31)], dtype=torch.int32, device=dev)
     refine = torch.empty(B, R, dtype=torch.int32, device=dev)
     nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
     dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else cnt
@@ -176,10 +190,16 @@ def _hytopk_triton(
         indices = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
         scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
     nan_any = torch.zeros((), dtype=torch.bool, device=dev)
+    # Finalize scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
+    # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
+    n_words = triton.cdiv(T, 32)
+    n_fin = max(1, min(_finalize_programs(dev), FINALIZE_SCRATCH_BYTES // (12 * n_words)))
+    fin_bitmap = torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev)
+    fin_words = torch.empty(n_fin, n_words, dtype=torch.int64, device=dev)
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not interp:
         launch["maxnreg"] = cfg.maxnreg
-    small = {} if interp else {"num_warps": 4}
+    small = {} if interp else {"num_warps": cfg.refine_warps}
     if cu_seqlens is None and window_start is None:  # windows [0, T - S + i]: known without a sync
         chunk_tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in range(0, S, R)]
     else:  # one sync: how many scan launches each chunk needs
@@ -187,8 +207,7 @@ def _hytopk_triton(
     for i0, n_tiles in zip(range(0, S, R), chunk_tiles):
         rc = min(R, S - i0)
         cnt.zero_()
-        th[..., 0] = -(2**31)  # tau = the smallest key: keep everything until the first refine
-        th[..., 1] = 2**31 - 1
+        th.copy_(th_init.expand_as(th))
         refine.zero_()
         if score_only:
             dbg_rows.zero_()
@@ -212,10 +231,10 @@ def _hytopk_triton(
             dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
         if score_only or scan_only:
             continue
-        _kernels._hytopk_finalize_kernel[(rc, B)](
-            buf, cnt, indices, scores, i0, rc, K, K,
+        _kernels._hytopk_finalize_kernel[(min(B * rc, n_fin),)](
+            buf, cnt, th, fin_bitmap, fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
             indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
-            NS=BN, SC=SC, OB=OB, BLOCK_K=BLOCK_K, WRITE_SCORES=return_scores,
+            NS=BN, SC=SC, OB=OB, BLOCK_W=128 if interp else 1024, WRITE_SCORES=return_scores,
             **({} if interp else {"num_warps": cfg.finalize_warps}),
         )  # fmt: skip
         counters = _STATS_DEVICE.setdefault(dev, torch.zeros(2, dtype=torch.int64, device=dev))

@@ -23,16 +23,19 @@ front. n contiguous survivors are exactly a balanced slot layout (slot j holds c
 and K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores:
 nothing is truncated and no luck is involved. The refine lives in its own kernel because its loops,
 histogram and registers slowed the scan even when no row needed it (lower occupancy); the rows'
-state (tau, fill counts) crosses launches through small global arrays.
+state (tau, fill counts, and the smallest and largest stored mono, which bound the radix select so
+it needs no min/max pass over the buffer) crosses launches through small global arrays.
 
-``_hytopk_finalize_kernel``: one program per row selects the exact K-th key (SLACK = 0), compacts,
-sorts the survivors by index and writes int32 indices (+ fp32 scores), -1 / -inf padded.
+``_hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
+index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf padded.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._tile_unions import _below, _popc
 
 _I32_MIN = tl.constexpr(-(2**31))
 _I32_MAX = tl.constexpr(2**31 - 1)
@@ -52,8 +55,21 @@ def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr):
 
 
 @triton.jit
-def _select_threshold(row_ptr, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
-    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a row.
+def _key_bounds(th_row):
+    """[lo, hi] holding every key of a row's buffer, from its state ``th_row[0:4]`` = (tau mono, tau
+    index, smallest stored mono, largest stored mono): all stored keys are >= tau and their monos
+    lie in the tracked range (the scan keeps it), so the radix select needs no min/max pass."""
+    t_mono = tl.load(th_row).to(tl.int64)
+    tau = ((t_mono + 1) << 32) - 1 - tl.load(th_row + 1).to(tl.int64)
+    lo = tl.maximum(tau, tl.load(th_row + 2).to(tl.int64) << 32)
+    hi = ((tl.load(th_row + 3).to(tl.int64) + 1) << 32) - 1
+    return lo, hi
+
+
+@triton.jit
+def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr):
+    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a
+    row, all inside [lo, hi] (``_key_bounds``).
 
     Radix select that adapts its digit to the live range: each level histograms the keys inside
     [lo, hi] into <= 256 buckets of width 2**s (s the smallest shift that fits the range), keeps the
@@ -62,12 +78,6 @@ def _select_threshold(row_ptr, slots, K, SLACK, NS: tl.constexpr, OB: tl.constex
     """
     bins = tl.arange(0, 256)
     depth = tl.max(slots)
-    lo = tl.full([], _I64_MAX, tl.int64)
-    hi = tl.full([], _I64_MIN, tl.int64)
-    for ob in range(0, depth, OB):
-        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
-        lo = tl.minimum(lo, tl.min(tl.where(m, x, _I64_MAX)))
-        hi = tl.maximum(hi, tl.max(tl.where(m, x, _I64_MIN)))
     above = tl.zeros([], tl.int32)  # keys > hi
     tau = lo
     ge = tl.sum(slots)
@@ -127,12 +137,12 @@ def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
 
 
 @triton.jit
-def _keep_top(row_ptr, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
+def _keep_top(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr):
     """Keep a row's keys >= tau, compacted to the front, with K <= kept <= K + SLACK when the row
     holds more than K keys (else tau = the smallest key: all kept). Returns (tau, kept)."""
     tau = tl.full([], _I64_MIN, tl.int64)
     if tl.sum(slots) > K:
-        tau, _ = _select_threshold(row_ptr, slots, K, SLACK, NS, OB)
+        tau, _ = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB)
     return tau, _compact(row_ptr, slots, tau, NS, OB)
 
 
@@ -204,8 +214,13 @@ def _hytopk_scan_kernel(
     buf_rows = buf_ptr + row_base * (SC * BN)  # [BQ] row buffers
     # the rows' state from the previous launch: threshold tau as (mono, largest index that ties)
     # and fill[j, r] = keys in slot j of row r
-    th_mono = tl.load(th_ptr + row_base * 2, mask=row_on, other=0)
-    th_idx = tl.load(th_ptr + row_base * 2 + 1, mask=row_on, other=0)
+    th_mono = tl.load(th_ptr + row_base * 4, mask=row_on, other=0)
+    th_idx = tl.load(th_ptr + row_base * 4 + 1, mask=row_on, other=0)
+    # smallest / largest mono this launch scores, per (key offset, row): a range holding every key
+    # it stores (unmasked: one op per score, and a wider range is still a valid bound), so the
+    # refine and finalize kernels start their radix selects without a min/max pass
+    mono_lo = tl.full([BN, BQ], _I32_MAX, tl.int32)
+    mono_hi = tl.full([BN, BQ], _I32_MIN, tl.int32)
     cnt_at = cnt_ptr + row_base[None, :] * BN + jj[:, None]
     fill = tl.load(cnt_at, mask=row_on[None, :], other=0)
     if CHECK_NAN:
@@ -261,8 +276,15 @@ def _hytopk_scan_kernel(
             key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
             tl.store(buf_rows[None, :] + fill * BN + jj[:, None], key, mask=keep)
             fill += keep.to(tl.int32)
+            mono_lo = tl.minimum(mono_lo, mono)
+            mono_hi = tl.maximum(mono_hi, mono)
 
     tl.store(cnt_at, fill, mask=row_on[None, :])
+    if not SCORE_ONLY:
+        rng = th_ptr + row_base * 4 + 2
+        tl.store(rng, tl.minimum(tl.load(rng, mask=row_on, other=0), tl.min(mono_lo, axis=0)), mask=row_on)
+        rng += 1
+        tl.store(rng, tl.maximum(tl.load(rng, mask=row_on, other=0), tl.max(mono_hi, axis=0)), mask=row_on)
     if CHECK_NAN:
         tl.store(nan_ptr + b * R + r_loc, nan_seen, mask=row_on)
     if SCORE_ONLY:
@@ -280,44 +302,83 @@ def _hytopk_refine_kernel(
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     if tl.max(slots) > LIMIT:
-        tau, kept = _keep_top(buf_ptr + row * (SC * NS), slots, K, SLACK, NS, OB)  # n <= K: only rebalance
+        lo, hi = _key_bounds(th_ptr + row * 4)
+        tau, kept = _keep_top(buf_ptr + row * (SC * NS), slots, K, SLACK, lo, hi, NS, OB)  # n <= K: only rebalance
         t_hi = tau >> 32
         t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
-        tl.store(th_ptr + row * 2, t_hi.to(tl.int32))
-        tl.store(th_ptr + row * 2 + 1, t_idx.to(tl.int32))
+        tl.store(th_ptr + row * 4, t_hi.to(tl.int32))
+        tl.store(th_ptr + row * 4 + 1, t_idx.to(tl.int32))
         tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
         tl.store(refine_ptr + row, tl.load(refine_ptr + row) + 1)
 
 
 @triton.jit
 def _hytopk_finalize_kernel(
-    buf_ptr, cnt_ptr, idx_ptr, score_ptr,
-    I0, R, K, KOUT, s_ib, s_is, s_ob, s_os,
-    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr,
+    I0, R, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, BLOCK_W: tl.constexpr, WRITE_SCORES: tl.constexpr,
 ):  # fmt: skip
-    """Exact top K of one row's buffer, sorted by key index: int32 indices (+ fp32 scores)."""
-    r = tl.program_id(0)
-    b = tl.program_id(1)
-    row = (b * R + r).to(tl.int64)
-    row_ptr = buf_ptr + row * (SC * NS)
-    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
-    _, kept = _keep_top(row_ptr, slots, K, 0, NS, OB)  # the top K (or all), contiguous
-    offs = tl.arange(0, BLOCK_K)
-    valid = offs < kept
-    x = tl.load(row_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
-    x_hi = x >> 32
-    idx = ((x_hi + 1) << 32) - 1 - x
-    out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is + offs
-    if WRITE_SCORES:  # sort (index, score bits) pairs as one int64 key
-        mono = x_hi.to(tl.int32)
-        bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
-        ubits = tl.where(bits < 0, bits.to(tl.int64) + 4294967296, bits.to(tl.int64))
-        order = tl.sort(tl.where(valid, (idx << 32) + ubits, _I64_MAX))  # by index ascending
-        tl.store(out_idx, tl.where(valid, order >> 32, -1).to(tl.int32), mask=offs < KOUT)
-        o_bits = (order - ((order >> 32) << 32)).to(tl.int32)
-        o_score = tl.where(valid, o_bits.to(tl.float32, bitcast=True), float("-inf"))
-        out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os + offs
-        tl.store(out_score, o_score, mask=offs < KOUT)
-    else:  # indices only: 32-bit keys, half the data through the sorting network
-        order = tl.sort(tl.where(valid, idx.to(tl.int32), _I32_MAX))
-        tl.store(out_idx, tl.where(valid, order, -1), mask=offs < KOUT)
+    """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded.
+
+    Persistent: program p handles rows p, p + P, ... of the B * R rows (P = the grid) with its own
+    scratch: a bitmap of ``n_words`` int32 (all zero between rows) and ``n_words`` int64 words
+    ``rank << 32 | bits``. Index order comes from the bitmap, not a sort (keys are unique indices
+    below T): the kept keys OR their bits in, a prefix sum of popcounts over the words gives each
+    word's first rank, and a key's output slot is ``rank[word] + set bits below it``. On an H200 the
+    earlier compaction + in-register sort of K keys was 60% of this kernel, with heavy bank conflicts.
+    """
+    pid = tl.program_id(0)
+    bm = bm_ptr + pid.to(tl.int64) * n_words
+    rw = rw_ptr + pid.to(tl.int64) * n_words
+    for rr in range(pid, n_rows, tl.num_programs(0)):
+        b = rr // R
+        r = rr % R
+        row = (b * R + r).to(tl.int64)
+        row_ptr = buf_ptr + row * (SC * NS)
+        slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+        tau = tl.full([], _I64_MIN, tl.int64)
+        if tl.sum(slots) > K:
+            lo, hi = _key_bounds(th_ptr + row * 4)
+            tau, _ = _select_threshold(row_ptr, slots, K, 0, lo, hi, NS, OB)  # exactly K keys >= tau
+        depth = tl.max(slots)
+        w_lo = tl.full([], _I32_MAX, tl.int32)
+        w_hi = tl.full([], -1, tl.int32)
+        for ob in range(0, depth, OB):  # kept keys -> bitmap, and the word range they span
+            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+            keep = m & (x >= tau)
+            idx = ((((x >> 32) + 1) << 32) - 1 - x).to(tl.int32)
+            tl.atomic_or(bm + (idx >> 5), 1 << (idx & 31), mask=keep, sem="relaxed")
+            w_lo = tl.minimum(w_lo, tl.min(tl.where(keep, idx >> 5, _I32_MAX)))
+            w_hi = tl.maximum(w_hi, tl.max(tl.where(keep, idx >> 5, -1)))
+        tl.debug_barrier()
+        kept = tl.zeros([], tl.int32)
+        for w0 in range(w_lo, w_hi + 1, BLOCK_W):  # first rank of each word; the bitmap back to 0
+            offs = w0 + tl.arange(0, BLOCK_W)
+            mw = offs <= w_hi
+            word = tl.load(bm + offs, mask=mw, other=0, cache_modifier=".cg")
+            c = _popc(word)
+            rank = kept + tl.cumsum(c, 0) - c
+            tl.store(rw + offs, (rank.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF), mask=mw)
+            tl.store(bm + offs, tl.zeros_like(word), mask=mw)
+            kept += tl.sum(c, 0)
+        tl.debug_barrier()
+        out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is
+        out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os
+        for ob in range(0, depth, OB):  # each kept key to its slot in index order
+            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+            keep = m & (x >= tau)
+            x_hi = x >> 32
+            idx = (((x_hi + 1) << 32) - 1 - x).to(tl.int32)
+            v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
+            slot = (v >> 32).to(tl.int32) + _popc(_below(v.to(tl.int32), idx & 31))
+            tl.store(out_idx + slot, idx, mask=keep)
+            if WRITE_SCORES:
+                mono = x_hi.to(tl.int32)
+                bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
+                tl.store(out_score + slot, bits.to(tl.float32, bitcast=True), mask=keep)
+        for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad
+            offs = p0 + tl.arange(0, BLOCK_W)
+            tl.store(out_idx + offs, tl.full([BLOCK_W], -1, tl.int32), mask=offs < KOUT)
+            if WRITE_SCORES:
+                tl.store(out_score + offs, tl.full([BLOCK_W], float("-inf"), tl.float32), mask=offs < KOUT)
+        tl.debug_barrier()  # the next row reuses the scratch
