@@ -29,7 +29,8 @@ sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
 # kernel (SLAB, BLOCK_N, num_warps, num_stages). Candidates fit sm_90's 227 KB of shared memory.
 MLA_FWD = [(32, 8, 2), (32, 8, 3), (64, 8, 2)]
 MLA_BWD = [(16, 4, 3), (16, 4, 2), (16, 8, 2)]  # num_stages 1 hit an illegal address (H200, Triton 3.6)
-MLA_DQ = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3)]
+MLA_DQ = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3),
+          (64, 128, 4, 3), (128, 128, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4)]
 GQA_FWD = [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
 GQA_BWD = [(64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3), (256, 32, 8, 2)]
 
