@@ -332,7 +332,8 @@ def hytopk(
         check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
             kernel never writes the score table: extra memory is the outputs plus a candidate
-            scratch of about ``SCRATCH_BYTES`` (1 GiB), reused over query chunks. It computes in
+            scratch of about ``SCRATCH_BYTES`` (1 GiB), reused over query chunks, and the final
+            selection's index bitmaps (at most ``FINALIZE_SCRATCH_BYTES``, 128 MiB). It computes in
             fp32 from bf16/fp16/fp32 inputs (fp32 dot products in IEEE mode) and is deterministic;
             fp64 inputs and ``min(topk, T) > 4096`` take the torch path (same exact contract).
             ``hytopk_stats()`` counts the rows whose candidate buffer was refined.
