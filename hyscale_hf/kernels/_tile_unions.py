@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bitmap import _bit_slot, _word_ranks
+
 # Bytes of bitmap + rank scratch one chunk of tiles may use (8 * cdiv(T, 32) bytes per tile):
 # 256 MiB holds all 8192 tiles of T = 128K at tile_q = 16 (B = 1) in one chunk.
 SCRATCH_BYTES = 256 << 20
@@ -39,27 +41,6 @@ SCRATCH_BYTES = 256 << 20
 _BLOCK_E = 1024  # entries per program of the bitmap and bits kernels
 _BLOCK_W_RANK = 1024  # words per step of the prefix sum
 _BLOCK_W_EXPAND = 64  # words (x 32 bits) per step of the expansion
-
-
-@triton.jit
-def _popc(x):
-    """Set bits of each int32 (SWAR; plain integer ops, so the interpreter runs it too).
-
-    ``>>`` is an arithmetic shift on int32; every shifted term is masked so the sign copies never
-    count, and from the third step on the fields are small and non-negative.
-    """
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    x = x + (x >> 8)
-    x = x + (x >> 16)
-    return x & 0x3F
-
-
-@triton.jit
-def _below(word, bit):
-    """The bits of ``word`` below position ``bit`` (0..31): ``~(-1 << bit)``, no (1 << 31) - 1 overflow."""
-    return word & ~((tl.zeros_like(bit) - 1) << bit)
 
 
 @triton.jit
@@ -109,9 +90,8 @@ def _tile_rank_kernel(BITMAP, RANK, LO, HI, NUM, p0, n_words, BLOCK_W: tl.conste
     for w0 in range(w_lo, w_hi, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
         m = offs < w_hi
-        c = _popc(tl.load(BITMAP + row + offs, mask=m, other=0))
-        tl.store(RANK + row + offs, total + tl.cumsum(c, 0) - c, mask=m)
-        total += tl.sum(c, 0)
+        rank, total = _word_ranks(tl.load(BITMAP + row + offs, mask=m, other=0), total)
+        tl.store(RANK + row + offs, rank, mask=m)
     tl.store(NUM + p0 + t, total)
 
 
@@ -130,7 +110,7 @@ def _tile_expand_kernel(BITMAP, RANK, LO, HI, UNION, p0, n_words, max_u, BLOCK_W
         word = tl.load(BITMAP + row + offs, mask=m, other=0)
         rank = tl.load(RANK + row + offs, mask=m, other=0)
         is_set = ((word[:, None] >> b[None, :]) & 1) != 0  # [BLOCK_W, 32]
-        slot = rank[:, None] + _popc(_below(word[:, None], b[None, :]))
+        slot = _bit_slot(rank[:, None], word[:, None], b[None, :])
         tl.store(out + slot, offs[:, None] * 32 + b[None, :], mask=is_set & m[:, None])
 
 
@@ -150,7 +130,7 @@ def _tile_bits_kernel(
     offs, key, valid = _tile_entries(IDX, p, eb, n_tiles, num_queries, num_idx, tile_q, num_keys, BLOCK_E)
     row = t.to(tl.int64) * n_words + (key >> 5)
     word = tl.load(BITMAP + row, mask=valid, other=0)
-    slot = tl.load(RANK + row, mask=valid, other=0) + _popc(_below(word, key & 31))
+    slot = _bit_slot(tl.load(RANK + row, mask=valid, other=0), word, key & 31)
     bits_row = (p.to(tl.int64) * tile_q + offs // num_idx) * words
     bit = slot & 31
     old = tl.atomic_or(BITS + bits_row + (slot >> 5), 1 << bit, mask=valid, sem="relaxed")

@@ -35,12 +35,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tile_unions import _below, _popc
+from ._bitmap import _bit_slot, _word_ranks
 
 _I32_MIN = tl.constexpr(-(2**31))
 _I32_MAX = tl.constexpr(2**31 - 1)
 _I64_MIN = tl.constexpr(-(2**63))
-_I64_MAX = tl.constexpr(2**63 - 1)
 _NAN_MONO = tl.constexpr(-(2**31) + 1)  # reference._NAN_KEY: below -inf, above masked keys
 
 
@@ -74,7 +73,7 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
     Radix select that adapts its digit to the live range: each level histograms the keys inside
     [lo, hi] into <= 256 buckets of width 2**s (s the smallest shift that fits the range), keeps the
     bucket holding the K-th largest key and stops as soon as its lower edge is tight enough. With
-    SLACK = 0 the result is the exact K-th largest key. Returns (tau, #{x >= tau}).
+    SLACK = 0 the result is the exact K-th largest key.
     """
     bins = tl.arange(0, 256)
     depth = tl.max(slots)
@@ -113,7 +112,7 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
             if base + b < (hi >> s):  # else bucket b holds hi: (base + b + 1) << s could overflow
                 hi = ((base + b + 1) << s) - 1
             lo = edge
-    return tau, ge
+    return tau
 
 
 @triton.jit
@@ -137,13 +136,27 @@ def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
 
 
 @triton.jit
-def _keep_top(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr):
-    """Keep a row's keys >= tau, compacted to the front, with K <= kept <= K + SLACK when the row
-    holds more than K keys (else tau = the smallest key: all kept). Returns (tau, kept)."""
+def _row_threshold(row_ptr, th_row, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
+    """The threshold a row keeps: ``K <= #{x >= tau} <= K + SLACK`` when its buffer holds more than
+    K keys, else the smallest key (all kept)."""
     tau = tl.full([], _I64_MIN, tl.int64)
     if tl.sum(slots) > K:
-        tau, _ = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB)
-    return tau, _compact(row_ptr, slots, tau, NS, OB)
+        lo, hi = _key_bounds(th_row)
+        tau = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB)
+    return tau
+
+
+@triton.jit
+def _key_index(x):
+    """The key index a key holds (int64): the inverse of ``((mono + 1) << 32) - 1 - index``."""
+    return (((x >> 32) + 1) << 32) - 1 - x
+
+
+@triton.jit
+def _kept_keys(row_ptr, slots, ob, tau, NS: tl.constexpr, OB: tl.constexpr):
+    """Entries ``ob + [0, OB)`` of a row's slots: keys, which of them are >= tau, their int32 indices."""
+    x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+    return x, m & (x >= tau), _key_index(x).to(tl.int32)
 
 
 @triton.jit
@@ -302,10 +315,11 @@ def _hytopk_refine_kernel(
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     if tl.max(slots) > LIMIT:
-        lo, hi = _key_bounds(th_ptr + row * 4)
-        tau, kept = _keep_top(buf_ptr + row * (SC * NS), slots, K, SLACK, lo, hi, NS, OB)  # n <= K: only rebalance
+        row_ptr = buf_ptr + row * (SC * NS)
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB)  # n <= K: only rebalance
+        kept = _compact(row_ptr, slots, tau, NS, OB)
         t_hi = tau >> 32
-        t_idx = tl.minimum(((t_hi + 1) << 32) - 1 - tau, _I32_MAX)
+        t_idx = tl.minimum(_key_index(tau), _I32_MAX)
         tl.store(th_ptr + row * 4, t_hi.to(tl.int32))
         tl.store(th_ptr + row * 4 + 1, t_idx.to(tl.int32))
         tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
@@ -336,17 +350,12 @@ def _hytopk_finalize_kernel(
         row = (b * R + r).to(tl.int64)
         row_ptr = buf_ptr + row * (SC * NS)
         slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
-        tau = tl.full([], _I64_MIN, tl.int64)
-        if tl.sum(slots) > K:
-            lo, hi = _key_bounds(th_ptr + row * 4)
-            tau, _ = _select_threshold(row_ptr, slots, K, 0, lo, hi, NS, OB)  # exactly K keys >= tau
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB)  # exactly K keys >= tau, or all
         depth = tl.max(slots)
         w_lo = tl.full([], _I32_MAX, tl.int32)
         w_hi = tl.full([], -1, tl.int32)
         for ob in range(0, depth, OB):  # kept keys -> bitmap, and the word range they span
-            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
-            keep = m & (x >= tau)
-            idx = ((((x >> 32) + 1) << 32) - 1 - x).to(tl.int32)
+            _, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
             tl.atomic_or(bm + (idx >> 5), 1 << (idx & 31), mask=keep, sem="relaxed")
             w_lo = tl.minimum(w_lo, tl.min(tl.where(keep, idx >> 5, _I32_MAX)))
             w_hi = tl.maximum(w_hi, tl.max(tl.where(keep, idx >> 5, -1)))
@@ -356,24 +365,19 @@ def _hytopk_finalize_kernel(
             offs = w0 + tl.arange(0, BLOCK_W)
             mw = offs <= w_hi
             word = tl.load(bm + offs, mask=mw, other=0, cache_modifier=".cg")
-            c = _popc(word)
-            rank = kept + tl.cumsum(c, 0) - c
+            rank, kept = _word_ranks(word, kept)
             tl.store(rw + offs, (rank.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF), mask=mw)
             tl.store(bm + offs, tl.zeros_like(word), mask=mw)
-            kept += tl.sum(c, 0)
         tl.debug_barrier()
         out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is
         out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os
         for ob in range(0, depth, OB):  # each kept key to its slot in index order
-            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
-            keep = m & (x >= tau)
-            x_hi = x >> 32
-            idx = (((x_hi + 1) << 32) - 1 - x).to(tl.int32)
+            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
             v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
-            slot = (v >> 32).to(tl.int32) + _popc(_below(v.to(tl.int32), idx & 31))
+            slot = _bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31)
             tl.store(out_idx + slot, idx, mask=keep)
             if WRITE_SCORES:
-                mono = x_hi.to(tl.int32)
+                mono = (x >> 32).to(tl.int32)
                 bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
                 tl.store(out_score + slot, bits.to(tl.float32, bitcast=True), mask=keep)
         for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad

@@ -24,15 +24,10 @@ from .sparse_attention import (
 )
 
 
-def _absorbed_query(q_nope, q_rot, w_uk):
-    q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype))
-    return torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)
-
-
 class _MLASparseAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_nope, q_rot, w_uk, kv, indices, value_dim, scale, deterministic):
-        attn_q = _absorbed_query(q_nope, q_rot, w_uk)
+        attn_q = reference.absorbed_query(q_nope, q_rot, w_uk)
         v = kv[..., :value_dim]
         o, lse, lists = _sparse_attention_fwd(attn_q, kv, v, indices, scale)
         ctx.save_for_backward(q_nope, q_rot, w_uk, kv, lists.idx, lists.num, lists.bits, o, lse)
@@ -46,7 +41,7 @@ class _MLASparseAttentionFn(torch.autograd.Function):
         q_nope, q_rot, w_uk, kv, idx, num, bits, o, lse = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        attn_q = _absorbed_query(q_nope, q_rot, w_uk)
+        attn_q = reference.absorbed_query(q_nope, q_rot, w_uk)
         v = kv[..., : ctx.value_dim]
         lists = _KeyLists(idx, num, bits, ctx.tile_q)
         dq, dkv, dv = _sparse_attention_bwd(attn_q, kv, v, lists, o, lse, do, dlse, ctx.scale, True, ctx.deterministic)

@@ -381,14 +381,19 @@ def swiglu_mlp_reference(x, w_gate, w_up, w_down) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
+def absorbed_query(q_nope, q_rot, w_uk):
+    """MLA's absorbed query ``[q_nope . W_UK per head, q_rot]`` [B, S, H, C + R], in q_nope's dtype."""
+    q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype))
+    return torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)
+
+
 def mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim: int, scale: float):
     """MLA absorbed-form sparse attention as a plain composition (see ``mla_attention``).
 
-    q_latent = q_nope . W_UK per head; attn_q = [q_latent, q_rot]; attention over the selected rows
-    of ``kv`` [B, T, 1, C + R] with values its first ``value_dim`` dims. Returns (o, lse, attn_q).
+    attn_q = ``absorbed_query(q_nope, q_rot, w_uk)``; attention over the selected rows of ``kv``
+    [B, T, 1, C + R] with values its first ``value_dim`` dims. Returns (o, lse, attn_q).
     """
-    q_latent = torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype))
-    attn_q = torch.cat([q_latent, q_rot.to(q_latent.dtype)], dim=-1)
+    attn_q = absorbed_query(q_nope, q_rot, w_uk)
     o, lse = sparse_attention_reference(attn_q, kv, kv[..., :value_dim], indices, scale)
     return o, lse, attn_q
 

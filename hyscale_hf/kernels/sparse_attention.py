@@ -116,6 +116,25 @@ if triton is not None:
         return q1, q2
 
     @triton.jit
+    def _backward_rows(
+        DO, OUT, LSE, DLSE, b, row_t, row_h, rmask, offs_v,
+        stride_dob, stride_dos, stride_doh, stride_dod, stride_ob, stride_os, stride_oh, stride_od,
+        stride_lb, stride_ls, stride_lh, stride_dlb, stride_dls, stride_dlh, HAS_DLSE: tl.constexpr,
+    ):  # fmt: skip
+        """What the backward needs per row besides q: dO, delta and the lse in log2 units.
+
+        delta = rowsum(dO * O) - dlse, so d(loss)/d(logit_j) = p_j * (dp_j - delta). A row without
+        keys has lse = -inf and p = 0 everywhere; its lse2 is 0 so exp2's argument stays finite.
+        """
+        do = _load_rows(DO + b * stride_dob + row_t * stride_dos + row_h * stride_doh, offs_v, stride_dod, rmask)
+        o = _load_rows(OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh, offs_v, stride_od, rmask)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + b * stride_dlb + row_t * stride_dls + row_h * stride_dlh, mask=rmask, other=0.0)
+        lse = tl.load(LSE + b * stride_lb + row_t * stride_ls + row_h * stride_lh, mask=rmask, other=0.0)
+        return do, delta, tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+
+    @triton.jit
     def _member(live, bits_rows, rmask, start, TILED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         """Tiled: keep (row, key) only where the row's query selected that union key (bit set).
 
@@ -233,18 +252,11 @@ if triton is not None:
         q1, q2 = _load_q(Q, b, row_t, row_h, rmask, stride_qb, stride_qs, stride_qh, stride_qd, D1, D2)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-        do_rows = DO + b * stride_dob + row_t * stride_dos + row_h * stride_doh
-        do = _load_rows(do_rows, offs_v, stride_dod, rmask)
-        o_rows = OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh
-        o = _load_rows(o_rows, offs_v, stride_od, rmask)
-        # delta = rowsum(dO * O) - dlse: d(loss)/d(logit_j) = p_j * (dp_j - delta)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-        if HAS_DLSE:
-            dlse = tl.load(DLSE + b * stride_dlb + row_t * stride_dls + row_h * stride_dlh, mask=rmask, other=0.0)
-            delta = delta - dlse
-        lse = tl.load(LSE + b * stride_lb + row_t * stride_ls + row_h * stride_lh, mask=rmask, other=0.0)
-        # A query with no key has lse = -inf and p = 0 everywhere; keep exp2's argument finite.
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        do, delta, lse2 = _backward_rows(
+            DO, OUT, LSE, DLSE, b, row_t, row_h, rmask, offs_v,
+            stride_dob, stride_dos, stride_doh, stride_dod, stride_ob, stride_os, stride_oh, stride_od,
+            stride_lb, stride_ls, stride_lh, stride_dlb, stride_dls, stride_dlh, HAS_DLSE,
+        )  # fmt: skip
 
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh
@@ -350,14 +362,11 @@ if triton is not None:
         q1, q2 = _load_q(Q, b, t, heads, hmask, stride_qb, stride_qs, stride_qh, stride_qd, D1, D2)
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
-        do = _load_rows(DO + b * stride_dob + t * stride_dos + heads * stride_doh, offs_v, stride_dod, hmask)
-        o = _load_rows(OUT + b * stride_ob + t * stride_os + heads * stride_oh, offs_v, stride_od, hmask)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-        if HAS_DLSE:
-            dlse = tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
-            delta = delta - dlse
-        lse = tl.load(LSE + b * stride_lb + t * stride_ls + heads * stride_lh, mask=hmask, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        do, delta, lse2 = _backward_rows(
+            DO, OUT, LSE, DLSE, b, t, heads, hmask, offs_v,
+            stride_dob, stride_dos, stride_doh, stride_dod, stride_ob, stride_os, stride_oh, stride_od,
+            stride_lb, stride_ls, stride_lh, stride_dlb, stride_dls, stride_dlh, HAS_DLSE,
+        )  # fmt: skip
 
         k_base = K + b * stride_kb + g * stride_kh
         v_base = V + b * stride_vb + g * stride_vh

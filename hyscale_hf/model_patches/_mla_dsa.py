@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..indexer import attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
-from ..kernels.reference import chunk_budget_bytes, query_windows
+from ..kernels.reference import absorbed_query, chunk_budget_bytes, query_windows
 from ..patching import PatchState
 from ..replay import reuse_indices
 from ..training import observe_selection
@@ -447,7 +447,7 @@ def mla_dsa_attention_forward(
     topk_indices = loss_indices = None
     sparse = window is None and not cfg.dense_warmup and (indexer is not None or shared_layer)
     if not sparse:  # the absorbed query [B, S, H, C + R] through plain autograd
-        attn_q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype)), q_rot.to(q_nope.dtype)], -1)
+        attn_q = absorbed_query(q_nope, q_rot, w_uk)
     if window is not None:  # a sliding-window layer (no indexer): its selection is the window itself
         o_latent, lse = sparse_attention(attn_q, attn_k, attn_k[..., :value_dim],
                                          _window_indices(B, S, T, window, key_offset, cu_seqlens, window_start, x.device),
