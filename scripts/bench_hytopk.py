@@ -11,7 +11,7 @@ same run. Also one HyTopK run at 1M tokens (--million). Writes JSON and a PNG pl
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) use private knobs of ``_hytopk_triton``; everything else
-uses the public API. Run from the repository root with the package installed (or PYTHONPATH=.).
+uses the public API. ``ours_kernel_ms``: GPU time per HyTopK kernel in one call (torch.profiler). Run from the repository root with the package installed (or PYTHONPATH=.).
 """
 
 from __future__ import annotations
@@ -45,6 +45,22 @@ def peak_extra_bytes(fn) -> int:
     peak = torch.cuda.max_memory_allocated() - base
     del out
     return peak
+
+
+def kernel_ms(fn, reps: int) -> dict:
+    """GPU milliseconds per HyTopK kernel (summed over its launches) in one call of ``fn``, the mean
+    over ``reps`` calls (torch.profiler): the scan, the refines between its launches, the final selection."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("_hytopk_"):
+            out[e.name] = out.get(e.name, 0.0) + e.device_time / 1e3 / reps
+    return out
 
 
 def bf16_matmul_tflops(n: int = 8192) -> float:
@@ -125,6 +141,7 @@ def bench_one(T, reps, tflops, stats_mod):
     r["ours_scan_only_ms"] = cuda_median_ms(scan_only, n)
     score_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, score_only=True)  # noqa: E731
     r["ours_scoring_only_ms"] = cuda_median_ms(score_only, n)
+    r["ours_kernel_ms"] = kernel_ms(ours, 2)
     chunked = lambda: chunked_torch_topk(q, k, w, TOPK)  # noqa: E731
     r["chunked_torch_ms"] = cuda_median_ms(chunked, n)
     r["chunked_torch_peak_extra_gib"] = peak_extra_bytes(chunked) / GiB
