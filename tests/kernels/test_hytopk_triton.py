@@ -135,7 +135,6 @@ def test_custom_op_schema_and_fake(backend, return_scores):
     torch.library.opcheck(torch.ops.hyscale.hytopk.default, args)
 
 
-
 @pytest.mark.parametrize("S,T,BQ,BN,R", [(37, 37, 4, 16, 8), (20, 50, 2, 16, 6), (64, 64, 8, 64, 64), (5, 300, 4, 16, 4)])
 def test_chunk_tiles_counts_the_longest_block_walk(S, T, BQ, BN, R):
     """Scan launches per chunk = the tiles its longest block walks (brute force below); without
