@@ -63,11 +63,14 @@ if triton is not None:
         NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits,
         TILED: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        """The (query, head) rows of one program and the length of its key list.
+        """The (query, head) rows of one program, how far it walks its key list and the list's length.
 
         Per token (TILED False): program pid0 is query token pid0; rows are BLOCK_H heads of KV head g
-        (head block hb). Tiled: program pid0 is a tile of tile_q consecutive queries; rows are
-        (query m, head h) pairs, row = m * group + h, all over one key list (the tile's union).
+        (head block hb); it walks the row's extent (``_row_extent_kernel``) and masks slots by the
+        row length ``num_idx`` (a launch argument: Triton knows its divisibility and vectorises
+        the masked loads, which a bound read from memory would prevent). Tiled: program pid0 is a
+        tile of tile_q consecutive queries; rows are (query m, head h) pairs, row = m * group + h,
+        all over one key list (the tile's union, walked and masked by its length).
         """
         rows = tl.arange(0, BLOCK_H)
         if TILED:
@@ -75,14 +78,40 @@ if triton is not None:
             row_t = pid0 * tile_q + row_m
             row_h = (g * group + rows % group).to(tl.int64)
             rmask = (rows < tile_q * group) & (row_t < num_queries)
-            count = tl.load(NUM + b * num_tiles + pid0)
             bits_rows = BITS + ((b * num_tiles + pid0) * tile_q + row_m) * stride_bits
+            count = tl.load(NUM + b * num_tiles + pid0)
+            length = count
         else:
             row_t = pid0 + tl.zeros([BLOCK_H], tl.int64)
             row_h, rmask = _block_heads(hb, g, group, BLOCK_H)
-            count = num_idx
             bits_rows = BITS
-        return row_t, row_h, rmask, count, bits_rows
+            count = tl.load(NUM + b * num_tiles + pid0)
+            length = num_idx
+        return row_t, row_h, rmask, count, length, bits_rows
+
+    @triton.jit
+    def _row_extent_kernel(
+        IDX, NUM, num_rows, num_idx, GRAIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+    ):  # fmt: skip
+        """NUM[r] = 1 + the last slot of index row r that holds a key (0 when none), rounded up to a
+        multiple of GRAIN and capped at num_idx.
+
+        Per-token kernels stop their key loop there: causal selections pad the rows of the first
+        topk queries with -1 (query t sees t + 1 keys), and without the bound those rows would run
+        masked tiles for the whole padding (12% of all slots at T = 8K, K = 2048). GRAIN, a
+        multiple of every BLOCK_N, makes kernels with different BLOCK_N walk the same slots (the
+        split backward's dQ kernel reads exactly the dS slots its dK/dV kernel wrote).
+        """
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < num_rows
+        ext = tl.zeros([BLOCK_R], tl.int32)
+        for k0 in range(0, num_idx, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (offs[None, :] < num_idx)
+            kid = tl.load(IDX + rows.to(tl.int64)[:, None] * num_idx + offs[None, :], mask=m, other=-1)
+            ext = tl.maximum(ext, tl.max(tl.where(kid >= 0, offs[None, :] + 1, 0), axis=1))
+        ext = tl.minimum((ext + GRAIN - 1) // GRAIN * GRAIN, num_idx)
+        tl.store(NUM + rows, ext, mask=rmask)
 
     @triton.jit
     def _head_block(num_head_blocks, num_kv_heads):
@@ -165,7 +194,7 @@ if triton is not None:
         """o and lse of one program's rows (see _program_rows); grid (S or tiles, B * Hkv * NHB)."""
         pid0 = tl.program_id(0).to(tl.int64)
         hb, g, b = _head_block(num_head_blocks, num_kv_heads)
-        row_t, row_h, rmask, count, bits_rows = _program_rows(
+        row_t, row_h, rmask, count, length, bits_rows = _program_rows(
             NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits, TILED, BLOCK_H
         )
         offs_d1 = tl.arange(0, D1)
@@ -182,7 +211,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H, DV], tl.float32)
         for start in range(0, count, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < count, other=-1)
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < length, other=-1)
             valid = kid >= 0
             k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
             k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
@@ -244,7 +273,7 @@ if triton is not None:
         t_local = tl.program_id(0).to(tl.int64)
         pid0 = t_offset + t_local
         hb, g, b = _head_block(num_head_blocks, num_kv_heads)
-        row_t, row_h, rmask, count, bits_rows = _program_rows(
+        row_t, row_h, rmask, count, length, bits_rows = _program_rows(
             NUM, BITS, pid0, g, hb, b, num_queries, num_idx, group, num_tiles, tile_q, stride_bits, TILED, BLOCK_H
         )
         offs_d1 = tl.arange(0, D1)
@@ -272,7 +301,7 @@ if triton is not None:
             dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
         for start in range(0, count, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < count, other=-1)
+            kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < length, other=-1)
             valid = kid >= 0
             k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
             k1 = tl.load(k_rows + offs_d1[None, :] * stride_kd, mask=valid[:, None], other=0.0)
@@ -326,7 +355,7 @@ if triton is not None:
 
     @triton.jit
     def _sparse_attn_bwd_dkv_kernel(
-        Q, K, V, IDX, OUT, DO, LSE, DLSE, DS, DKV,
+        Q, K, V, IDX, NUM, OUT, DO, LSE, DLSE, DS, DKV,
         stride_qb, stride_qs, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
@@ -337,7 +366,7 @@ if triton is not None:
         stride_dlb, stride_dls, stride_dlh,
         stride_dsb, stride_dss, stride_dsh,
         stride_ab, stride_at, stride_ah,
-        t_offset, chunk_len, num_idx, num_kv_heads, group, num_head_blocks,
+        t_offset, chunk_len, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
         sm_scale, qk_scale,
         D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
         MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr,
@@ -378,7 +407,8 @@ if triton is not None:
         else:
             key_base = DKV + b * stride_ab + g * stride_ah
 
-        for start in range(0, num_idx, BLOCK_N):
+        count = tl.load(NUM + b * num_queries + t)  # the row's extent (_program_rows says why)
+        for start in range(0, count, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             in_row = offs_n < num_idx
             kid = tl.load(idx_row + offs_n * stride_ik, mask=in_row, other=-1)
@@ -428,12 +458,12 @@ if triton is not None:
 
     @triton.jit
     def _sparse_attn_bwd_dq_kernel(
-        DS, K, IDX, DQ,
+        DS, K, IDX, NUM, DQ,
         stride_dsb, stride_dss, stride_dsh,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_ib, stride_is, stride_ik,
         stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-        t_offset, num_idx, num_kv_heads, group, num_head_blocks,
+        t_offset, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
         D1: tl.constexpr, D2: tl.constexpr, SLAB: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
@@ -459,7 +489,9 @@ if triton is not None:
         if D2 > 0:
             offs_d2 = D1 + tl.arange(0, D2)
             acc2 = tl.zeros([BLOCK_H, D2], tl.float32)
-        for start in range(0, num_idx, BLOCK_N):
+        # the row's extent: a multiple of EXTENT_GRAIN, so the dK/dV kernel wrote every dS slot read here
+        count = tl.load(NUM + b * num_queries + t)
+        for start in range(0, count, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             in_row = offs_n < num_idx
             kid = tl.load(idx_row + offs_n * stride_ik, mask=in_row, other=-1)
@@ -513,6 +545,9 @@ if triton is not None:
 SCRATCH_BYTES = 1 << 30
 # Bytes of the dS buffer [B, chunk, Hq, K] of the split (wide-row) backward.
 DS_BYTES = 1 << 30
+
+# Per-token rows are walked up to their last key rounded up to this many slots (>= every BLOCK_N).
+EXTENT_GRAIN = 128
 
 # The tiled forward runs only where the widest tile union has at most this many times K keys.
 TILED_FWD_MAX_UNION = 4
@@ -611,8 +646,10 @@ class _KeyLists(NamedTuple):
     """What one program iterates: a token's own index row, or a query tile's union of keys.
 
     ``idx`` [B, P, L] int32 (-1 = skip) holds one key list per program (P = S tokens or S / tile_q
-    tiles). Tiled lists also carry ``num`` [B, P] (list lengths) and ``bits`` [B * P * tile_q, W]
-    (bit u of a query's row: the query selected union key u); per-token lists pass ``idx`` there.
+    tiles) and ``num`` [B, P] int32 how many of its slots a program walks: the union's length, or
+    a token row's extent (up to its last key, ``_row_extent_kernel``). Tiled lists also carry
+    ``bits`` [B * P * tile_q, W] (bit u of a query's row: the query selected union key u);
+    per-token lists pass ``idx`` there.
     """
 
     idx: torch.Tensor
@@ -646,6 +683,18 @@ def _tile_rows() -> int:
     return _CONFIG_OVERRIDES.get("tile", {}).get("rows", 128)
 
 
+def _token_lists(indices: torch.Tensor) -> _KeyLists:
+    """One program per token over its own (contiguous) index row, walked up to the row's extent."""
+    B, S, L = indices.shape
+    extent = torch.empty(B, S, dtype=torch.int32, device=indices.device)
+    if B * S:
+        block_r = 16
+        _row_extent_kernel[(triton.cdiv(B * S, block_r),)](
+            indices, extent, B * S, L, GRAIN=EXTENT_GRAIN, BLOCK_R=block_r, BLOCK_K=min(256, _next_pow2(L))
+        )  # fmt: skip
+    return _KeyLists(indices, extent, indices, 0)
+
+
 def _key_lists(indices: torch.Tensor, num_keys: int, group: int, wide: bool) -> _KeyLists:
     """Query tiles (union key lists) where a tile holds >= 2 queries, else per-token index rows."""
     rows = _tile_rows()
@@ -654,7 +703,7 @@ def _key_lists(indices: torch.Tensor, num_keys: int, group: int, wide: bool) -> 
         lists = _union_tiles(indices, tile_q, num_keys)
         if lists is not None:
             return lists
-    return _KeyLists(indices, indices, indices, 0)
+    return _token_lists(indices)
 
 
 def _sparse_attention_fwd(q, k, v, indices, scale: float):
@@ -674,7 +723,7 @@ def _sparse_attention_fwd(q, k, v, indices, scale: float):
         # Little overlap between neighbouring queries: a tile's product would be mostly masked
         # work, while the per-token forward only moves the selected rows. (The backward still
         # takes the tiles: there a key's contributions sum in registers before one atomic add.)
-        run = _KeyLists(indices, indices, indices, 0)
+        run = _token_lists(indices)
     L = run.idx.shape[2]
     if run.tile_q:
         cfg = _config("fwd_tiled", group, Dqk, Dv, L)
@@ -745,15 +794,17 @@ def _sparse_attention_bwd(q, k, v, lists, o, lse, do, dlse, scale: float, merge_
                 *lse.stride(), *dlse_t.stride(),
             )  # fmt: skip
             _sparse_attn_bwd_dkv_kernel[(count, grid_heads)](
-                q, k, v, idx, o, do, lse, dlse_t, ds_buf, target, *args,
+                q, k, v, idx, lists.num, o, do, lse, dlse_t, ds_buf, target, *args,
                 ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
-                t0, count, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+                t0, count, S, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
             )  # fmt: skip
             qcfg = _config("bwd_dq", group, Dqk, Dv, L)
+            if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
+                raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")
             slab = min(d1, qcfg["SLAB"])
             _sparse_attn_bwd_dq_kernel[(count, grid_heads, d1 // slab)](
-                ds_buf, k, idx, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
-                *k.stride(), *idx.stride(), *dq.stride(), t0, L, Hkv, group, nhb,
+                ds_buf, k, idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
+                *k.stride(), *idx.stride(), *dq.stride(), t0, S, L, Hkv, group, nhb,
                 D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
                 DOT_PREC=_dot_precision(q.dtype), num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],
             )  # fmt: skip

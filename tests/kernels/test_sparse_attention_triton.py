@@ -149,6 +149,52 @@ def test_all_keys_selected_equals_dense_causal_attention():
     torch.testing.assert_close(o, dense, atol=1e-5, rtol=1e-5)
 
 
+def causal_padded_indices(B, S, T, K, seed=0):
+    """Causal rows laid out as HyTopK returns them: query i (key position T - S + i) lists up to K
+    of its visible keys, then -1 padding; so rows of the first queries end in a long -1 tail."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((B, S, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for i in range(S):
+            visible = T - S + i + 1
+            keys = torch.randperm(visible, generator=g)[:K].sort().values
+            idx[b, i, : keys.numel()] = keys.to(torch.int32)
+    return idx
+
+
+@pytest.mark.parametrize("grain", [1, 16])
+def test_row_extent_is_one_past_the_last_listed_key(grain, monkeypatch):
+    monkeypatch.setattr(sa, "EXTENT_GRAIN", grain)
+    idx = causal_padded_indices(2, 9, 12, 40)
+    idx[0, 3, 5] = -1  # a hole before the last key does not shorten the row
+    idx[1, 4] = -1  # no key at all
+    idx[1, 5, -1] = 7  # a key in the last slot
+    extent = sa._token_lists(idx.to(DEVICE)).num.cpu()
+    valid = idx >= 0
+    last = torch.where(valid.any(-1), idx.shape[-1] - valid.flip(-1).int().argmax(-1), 0)
+    expected = ((last + grain - 1) // grain * grain).clamp(max=40)
+    assert torch.equal(extent, expected.to(torch.int32))
+    assert extent[1, 4] == 0 and extent[1, 5] == 40
+    assert extent[0, 3] == (7 if grain == 1 else 16)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_per_token_rows_with_padded_tails(deterministic, split, monkeypatch):
+    # K = 40 slots (3 key blocks of 16) but the first queries see only a few keys: their programs
+    # stop at the row's extent, and every gradient still matches the reference.
+    if split:
+        use_split_backward(monkeypatch)
+    monkeypatch.setitem(sa._CONFIG_OVERRIDES, "tile", {"rows": 0})  # per token, no query tiles
+    monkeypatch.setattr(sa, "EXTENT_GRAIN", 16)  # = BLOCK_N here: rows stop after 1, 2 or 3 blocks
+    q, k, v, _ = make(B=2, S=36, T=36, Hq=16, Hkv=1, Dqk=48, Dv=32, K=40, v_mode="view")
+    idx = causal_padded_indices(2, 36, 36, 40).to(DEVICE)
+    idx[0, 5, 1] = -1  # a hole inside a row
+    lists = sa._key_lists(idx, 36, 16, wide=False)
+    assert lists.tile_q == 0 and lists.num.min() == 16 and lists.num.max() == 40
+    assert_matches_reference(q, k, v, idx, deterministic)
+
+
 def test_triton_backend_rejects_unsupported_dims():
     q, k, v, idx = make(B=1, S=4, T=8, Hq=2, Hkv=1, Dqk=40, Dv=16, K=8)  # 40 = 32 + 8: tail < 16
     with pytest.raises(ValueError, match="Dqk = 40"):
