@@ -73,6 +73,15 @@ class HyTopKConfig:
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     finalize_warps: int = 4  # warps of the per-row final selection
     refine_warps: int = 4  # warps of the per-row buffer refine
+    # Radix select digit: 2**select_bits histogram buckets per level. H200, T = 128K, bits 8 / 7 / 6 /
+    # 5 / 4: refines 24.3 / 22.6 / 24.0 / 24.7 / 29.5 ms, final selection 15.4 / 13.7 / 13.9 / 15.1 /
+    # 17.1 ms (tl.histogram's cost grows with the bucket count, fewer buckets need more levels).
+    select_bits: int = 7
+
+    def __post_init__(self):
+        # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
+        if not 3 <= self.select_bits <= 8:
+            raise ValueError(f"HyTopKConfig.select_bits must be in [3, 8], got {self.select_bits}")
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -216,7 +225,7 @@ def _hytopk_triton(
             # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
             if not score_only and seg0 > SC - seg:
                 _kernels._hytopk_refine_kernel[(rc, B)](
-                    buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, **small
+                    buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, **small
                 )  # fmt: skip
             _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
                 q, k, w, start, buf, cnt, th, nan_rows, dbg_rows,
@@ -234,7 +243,7 @@ def _hytopk_triton(
         _kernels._hytopk_finalize_kernel[(min(B * rc, n_fin),)](
             buf, cnt, th, fin_bitmap, fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
             indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
-            NS=BN, SC=SC, OB=OB, BLOCK_W=128 if interp else 1024, WRITE_SCORES=return_scores,
+            NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024, WRITE_SCORES=return_scores,
             **({} if interp else {"num_warps": cfg.finalize_warps}),
         )  # fmt: skip
         counters = _STATS_DEVICE.setdefault(dev, torch.zeros(2, dtype=torch.int64, device=dev))

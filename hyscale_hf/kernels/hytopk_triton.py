@@ -66,36 +66,36 @@ def _key_bounds(th_row):
 
 
 @triton.jit
-def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr):
+def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
     """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a
     row, all inside [lo, hi] (``_key_bounds``).
 
     Radix select that adapts its digit to the live range: each level histograms the keys inside
-    [lo, hi] into <= 256 buckets of width 2**s (s the smallest shift that fits the range), keeps the
-    bucket holding the K-th largest key and stops as soon as its lower edge is tight enough. With
-    SLACK = 0 the result is the exact K-th largest key.
+    [lo, hi] into <= 2**LOG_NB buckets of width 2**s (s the smallest shift that fits the range),
+    keeps the bucket holding the K-th largest key and stops as soon as its lower edge is tight
+    enough. With SLACK = 0 the result is the exact K-th largest key.
     """
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, 1 << LOG_NB)
     depth = tl.max(slots)
     above = tl.zeros([], tl.int32)  # keys > hi
     tau = lo
     ge = tl.sum(slots)
     done = 0
     while done == 0:
-        # Bucket width 2**s with (hi >> s) - (lo >> s) < 256: s = floor(log2(r)) - 5 for
-        # r = (hi >> 1) - (lo >> 1) (halved so hi - lo cannot overflow int64), read off r's float
-        # exponent (a rounding up of r only makes s larger, which still fits).
+        # Bucket width 2**s with (hi >> s) - (lo >> s) < 2**LOG_NB: s = floor(log2(r)) - (LOG_NB - 3)
+        # for r = (hi >> 1) - (lo >> 1) (halved so hi - lo cannot overflow int64), read off r's
+        # float exponent (a rounding up of r only makes s larger, which still fits).
         r = ((hi >> 1) - (lo >> 1)).to(tl.float64)
         e = (r.to(tl.int64, bitcast=True) >> 52) - 1023
-        s = tl.maximum(e - 5, 0)
+        s = tl.maximum(e - (LOG_NB - 3), 0)
         base = lo >> s
-        hist = tl.zeros([256], tl.int32)
+        hist = tl.zeros([1 << LOG_NB], tl.int32)
         for ob in range(0, depth, OB):
             x, m = _load_slots(row_ptr, slots, ob, NS, OB)
             inside = m & (x >= lo) & (x <= hi)
             digit = tl.reshape(tl.where(inside, (x >> s) - base, 0).to(tl.int32), [OB * NS])
             outside = tl.sum((~inside).to(tl.int32))
-            hist += tl.histogram(digit, 256) - tl.where(bins == 0, outside, 0)
+            hist += tl.histogram(digit, 1 << LOG_NB) - tl.where(bins == 0, outside, 0)
         # suffix[j] = keys inside [lo, hi] in buckets >= j
         suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist
         need = K - above
@@ -136,13 +136,13 @@ def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
 
 
 @triton.jit
-def _row_threshold(row_ptr, th_row, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr):
+def _row_threshold(row_ptr, th_row, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
     """The threshold a row keeps: ``K <= #{x >= tau} <= K + SLACK`` when its buffer holds more than
     K keys, else the smallest key (all kept)."""
     tau = tl.full([], _I64_MIN, tl.int64)
     if tl.sum(slots) > K:
         lo, hi = _key_bounds(th_row)
-        tau = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB)
+        tau = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB, LOG_NB)
     return tau
 
 
@@ -307,7 +307,7 @@ def _hytopk_scan_kernel(
 @triton.jit
 def _hytopk_refine_kernel(
     buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
-    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr,
 ):  # fmt: skip
     """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
     threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
@@ -316,7 +316,7 @@ def _hytopk_refine_kernel(
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     if tl.max(slots) > LIMIT:
         row_ptr = buf_ptr + row * (SC * NS)
-        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB)  # n <= K: only rebalance
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
         kept = _compact(row_ptr, slots, tau, NS, OB)
         t_hi = tau >> 32
         t_idx = tl.minimum(_key_index(tau), _I32_MAX)
@@ -330,7 +330,8 @@ def _hytopk_refine_kernel(
 def _hytopk_finalize_kernel(
     buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr,
     I0, R, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
-    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, BLOCK_W: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, BLOCK_W: tl.constexpr,
+    WRITE_SCORES: tl.constexpr,
 ):  # fmt: skip
     """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded.
 
@@ -350,7 +351,7 @@ def _hytopk_finalize_kernel(
         row = (b * R + r).to(tl.int64)
         row_ptr = buf_ptr + row * (SC * NS)
         slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
-        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB)  # exactly K keys >= tau, or all
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)  # exactly K keys >= tau, or all
         depth = tl.max(slots)
         w_lo = tl.full([], _I32_MAX, tl.int32)
         w_hi = tl.full([], -1, tl.int32)

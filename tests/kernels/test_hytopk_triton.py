@@ -52,6 +52,21 @@ def test_adversarial_rows_bitwise(small, T):
     assert int((ref[1][0, -1] == 0).sum()) > 0
 
 
+@pytest.mark.parametrize("bits", [3, 8])
+def test_radix_digit_widths_bitwise(bits):
+    """8 or 256 buckets per radix level (default 128): more or fewer levels per select, same exact sets."""
+    q, k, w = adversarial_inputs(40, 40, 4, 16, device=DEV, seed=2)
+    small = {"config": mod.HyTopKConfig(BQ=2, BN=16, CH=8, select_bits=bits), "cap": 1}
+    got = mod._hytopk_triton(q, k, w, 8, **small)
+    assert_same(got, reference.hytopk_reference(q, k, w, 8), f"{2**bits} buckets")
+
+
+@pytest.mark.parametrize("bits", [2, 9])
+def test_radix_digit_width_out_of_range_is_rejected(bits):
+    with pytest.raises(ValueError, match="select_bits"):
+        mod.HyTopKConfig(BQ=2, BN=16, select_bits=bits)
+
+
 @pytest.mark.parametrize(
     "dtype,H,D",
     [(torch.float16, 16, 16), (torch.float32, 3, 24), (torch.bfloat16, 64, 16), (torch.bfloat16, 8, 64)],
