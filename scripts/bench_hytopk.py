@@ -226,6 +226,7 @@ def sweep_configs(stats_mod):
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
         (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 8 * TOPK),
+        (cfg(4, 64, 4, 2, select_bits=8), None), (cfg(4, 64, 4, 2, select_bits=6), None),
     ]  # fmt: skip
 
 
