@@ -73,19 +73,18 @@ if triton is not None:
         all over one key list (the tile's union, walked and masked by its length).
         """
         rows = tl.arange(0, BLOCK_H)
+        count = tl.load(NUM + b * num_tiles + pid0)
         if TILED:
             row_m = rows // group
             row_t = pid0 * tile_q + row_m
             row_h = (g * group + rows % group).to(tl.int64)
             rmask = (rows < tile_q * group) & (row_t < num_queries)
             bits_rows = BITS + ((b * num_tiles + pid0) * tile_q + row_m) * stride_bits
-            count = tl.load(NUM + b * num_tiles + pid0)
             length = count
         else:
             row_t = pid0 + tl.zeros([BLOCK_H], tl.int64)
             row_h, rmask = _block_heads(hb, g, group, BLOCK_H)
             bits_rows = BITS
-            count = tl.load(NUM + b * num_tiles + pid0)
             length = num_idx
         return row_t, row_h, rmask, count, length, bits_rows
 
