@@ -186,7 +186,11 @@ def _hytopk_triton(
     # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
     th = torch.empty(B, R, 4, dtype=torch.int32, device=dev)
     # tau = the smallest key (keep everything until the first refine); nothing stored: an empty range
-    th_init = torch.tensor([-(2**31), 2**31 - 1, 2**31 - 1, -(2**31)], dtype=torch.int32, device=dev)
+    # (filled on the device: a tensor built from a Python list would be a host-to-device copy, which
+    # PyTorch follows with a stream sync, stalling the host once per call)
+    th_init = torch.empty(4, dtype=torch.int32, device=dev)
+    th_init[0::3] = -(2**31)
+    th_init[1:3] = 2**31 - 1
     refine = torch.empty(B, R, dtype=torch.int32, device=dev)
     nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
     dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else cnt

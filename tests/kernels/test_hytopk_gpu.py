@@ -114,3 +114,15 @@ def test_nan_check_and_buffer_refine_counted():
     assert_same(small, got, "small buffer")
     stats = mod.hytopk_stats()
     assert stats["rows_refined"] >= 1024 and stats["refines"] > stats["rows_refined"]
+
+
+def test_no_host_sync_without_packed_sequences():
+    """Without cu_seqlens / window_start / check_nan the launch needs nothing from the GPU, so a call
+    must not stall the host (a sync per indexer layer would starve the GPU while the host catches up)."""
+    q, k, w = int_inputs(1, 4096, 4096, 32, 128, device="cuda", seed=5)
+    hytopk(q, k, w, 2048, backend="triton")  # compile and allocate first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hytopk(q, k, w, 2048, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
