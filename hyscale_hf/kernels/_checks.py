@@ -51,7 +51,7 @@ def check_indices(indices, batch: int, queries: int, num_keys: int, check_range:
     if indices.shape[2] <= 0:
         raise ValueError(f"indices must have K > 0 entries per query, got shape {tuple(indices.shape)}")
     if check_range and indices.numel():
-        lo, hi = int(indices.min()), int(indices.max())
+        lo, hi = torch.stack(torch.aminmax(indices)).tolist()  # one host sync, not two
         if lo < -1 or hi >= num_keys:
             raise ValueError(
                 f"indices must lie in [-1, {num_keys}) (T = {num_keys} keys, -1 = empty slot); got min {lo}, max {hi}"
