@@ -185,12 +185,6 @@ def _hytopk_triton(
     cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
     # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
     th = torch.empty(B, R, 4, dtype=torch.int32, device=dev)
-    # tau = the smallest key (keep everything until the first refine); nothing stored: an empty range
-    # (filled on the device: a tensor built from a Python list would be a host-to-device copy, which
-    # PyTorch follows with a stream sync, stalling the host once per call)
-    th_init = torch.empty(4, dtype=torch.int32, device=dev)
-    th_init[0::3] = -(2**31)
-    th_init[1:3] = 2**31 - 1
     refine = torch.empty(B, R, dtype=torch.int32, device=dev)
     nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
     dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else cnt
@@ -202,7 +196,7 @@ def _hytopk_triton(
     else:
         indices = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
         scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
-    nan_any = torch.zeros((), dtype=torch.bool, device=dev)
+    nan_any = torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None
     # Finalize scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
     # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
     n_words = triton.cdiv(T, 32)
@@ -220,7 +214,11 @@ def _hytopk_triton(
     for i0, n_tiles in zip(range(0, S, R), chunk_tiles):
         rc = min(R, S - i0)
         cnt.zero_()
-        th.copy_(th_init.expand_as(th))
+        # tau = the smallest key (keep everything until the first refine); nothing stored: an empty
+        # range. Filled on the device: a tensor built from a Python list would be a host-to-device
+        # copy, which PyTorch follows with a stream sync (a host stall per call).
+        th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
+        th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
         refine.zero_()
         if score_only:
             dbg_rows.zero_()
@@ -250,7 +248,9 @@ def _hytopk_triton(
             NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024, WRITE_SCORES=return_scores,
             **({} if interp else {"num_warps": cfg.finalize_warps}),
         )  # fmt: skip
-        counters = _STATS_DEVICE.setdefault(dev, torch.zeros(2, dtype=torch.int64, device=dev))
+        counters = _STATS_DEVICE.get(dev)
+        if counters is None:  # (not setdefault: its default would be allocated on every call)
+            counters = _STATS_DEVICE[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
         counters += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
         if check_nan:
             nan_any |= nan_rows[:, :rc].any()
