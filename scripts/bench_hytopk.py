@@ -208,8 +208,9 @@ def sweep(T, tflops, stats_mod, reps, configs):
             st = stats_mod.hytopk_stats()
             scan = cuda_median_ms(lambda run=run: run(scan_only=True), reps)
             so = cuda_median_ms(lambda run=run: run(score_only=True), reps)
+            per_kernel = "  ".join(f"{name[8:-7]} {ms:.2f}" for name, ms in kernel_ms(run, 2).items())
             print(
-                f"{c} cap={cap}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  same={same}  "
+                f"{c} cap={cap}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
                 f"first call {comp:.1f}s",
                 flush=True,
@@ -226,7 +227,8 @@ def sweep_configs(stats_mod):
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
         (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 8 * TOPK),
-        (cfg(4, 64, 4, 2, select_bits=8), None), (cfg(4, 64, 4, 2, select_bits=6), None),
+        *((cfg(4, 64, 4, 2, select_bits=bits), None) for bits in (8, 6, 5, 4)),
+        (cfg(4, 64, 4, 2, CH=512), None), (cfg(4, 64, 4, 2, CH=2048), None), (cfg(8, 64, 8, 2), None),
     ]  # fmt: skip
 
 
