@@ -229,6 +229,7 @@ def sweep_configs(stats_mod):
         (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 8 * TOPK),
         *((cfg(4, 64, 4, 2, select_bits=bits), None) for bits in (8, 6, 5, 4)),
         (cfg(4, 64, 4, 2, CH=512), None), (cfg(4, 64, 4, 2, CH=2048), None), (cfg(8, 64, 8, 2), None),
+        (cfg(4, 64, 4, 2, tma=False), None), (cfg(4, 64, 4, 3, tma=False), None),
     ]  # fmt: skip
 
 

@@ -167,13 +167,13 @@ def _balanced_slots(n, NS: tl.constexpr):
 
 @triton.jit
 def _hytopk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
+    q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
     S, T, I0, R, SEG0, LOCAL_TILES,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
     RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SCORE_ONLY: tl.constexpr,
+    SCORE_ONLY: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Scores tiles ``[SEG0, SEG0 + SEG)`` of the key windows of BQ query rows (queries I0 + [0, R)
     of batch program_id(1)) and appends every key >= the row's threshold ``th[b, r]`` to the row's
@@ -241,7 +241,10 @@ def _hytopk_scan_kernel(
     if SCORE_ONLY:
         score_sum = tl.load(dbg_ptr + b * R + r_loc, mask=row_on, other=0.0)
 
-    # The tile loop is the kernel's only loop, so Triton software-pipelines it; keeping the refine
+    # The tile loop is the kernel's only loop, so Triton software-pipelines it (key tiles through
+    # the copy engine with TMA: on an H200 at T = 128K the scan took 143-146 ms against 150-154 ms
+    # with pointer loads, which also hold address registers; 3 stages or 2x the queries per program
+    # were slower: shared memory and registers then allow fewer programs per SM); keeping the refine
     # (radix select + compaction) in another kernel also keeps its registers and shared memory
     # from lowering this kernel's occupancy (on an H200 the scan was register-limited with it inside).
     for it in range(SEG0, tl.minimum(SEG0 + SEG, n_tiles)):
@@ -252,8 +255,11 @@ def _hytopk_scan_kernel(
         else:
             tile = first + (it - n_local)
         offs_n = tile * BN + jj
-        k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
-        kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
+        if TMA:  # a [1, BN, DP] box of the [B, T, D] keys (k_desc); the copy engine zero-fills past T and D
+            kt = tl.reshape(k_desc.load([b, tile * BN, 0]), (BN, DP))
+        else:
+            k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
+            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         # acc[key, query x head]: the head sum stays inside each thread's accumulator registers

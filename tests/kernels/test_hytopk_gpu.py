@@ -87,6 +87,29 @@ def test_packed_window_and_chunked_prefill_exact():
     assert_same(got, ref_topk(q, k, w, K, window_start=ws), "S < T, window_start")
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer-loads"])
+def test_key_tiles_past_the_end_exact(tma):
+    """Key tiles that run past T (T not a multiple of the tile) and past D (D = 96 in a 128-wide
+    tile), two sequences: the TMA box and the pointer loads must both read zeros there."""
+    T, D = 3000, 96
+    q, k, w = int_inputs(2, T, T, 32, D, device="cuda", seed=9, qk_range=2)
+    cfg = mod._pick_config(32, D, q.dtype, q.device)
+    cfg = mod.HyTopKConfig(cfg.BQ, cfg.BN, cfg.num_warps, cfg.num_stages, tma=tma)
+    got = mod._hytopk_triton(q, k, w, 512, config=cfg)
+    assert_same(got, ref_topk(q, k, w, 512), f"T={T} D={D} tma={tma}")
+
+
+def test_unaligned_keys_take_pointer_loads():
+    """Keys whose base is not 16-byte aligned cannot go through TMA: the same exact result."""
+    T = 1024
+    q, k, w = int_inputs(1, T, T, 16, 64, device="cuda", seed=10, qk_range=2)
+    k_odd = torch.empty(1, T * 64 + 1, dtype=k.dtype, device="cuda")[:, 1:].view(1, T, 64)
+    k_odd.copy_(k)
+    assert k_odd.data_ptr() % 16 != 0
+    got = hytopk(q, k_odd, w, 256, return_scores=True, backend="triton")
+    assert_same(got, ref_topk(q, k, w, 256), "unaligned k")
+
+
 @pytest.mark.parametrize(
     "dtype,H,D,relu",
     [(torch.float16, 16, 64, True), (torch.float32, 64, 64, True), (torch.bfloat16, 8, 128, False)],
