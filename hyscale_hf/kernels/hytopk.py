@@ -7,6 +7,7 @@ The custom op ``torch.ops.hyscale.hytopk`` is what selective checkpointing sees 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -84,11 +85,16 @@ class HyTopKConfig:
     # Key tiles of the scan through the copy engine (a TMA tensor descriptor) where the keys allow
     # it (GPU only): H200, T = 128K: scan 143-146 ms against 150-154 ms with pointer loads.
     tma: bool = True
+    # Query chunks run in this many lanes (CUDA streams, each with its share of the scratch), so one
+    # chunk's refines and final selection (memory-bound) overlap another chunk's scan (GPU only).
+    lanes: int = 2
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
         if not 3 <= self.select_bits <= 8:
             raise ValueError(f"HyTopKConfig.select_bits must be in [3, 8], got {self.select_bits}")
+        if self.lanes < 1:
+            raise ValueError(f"HyTopKConfig.lanes must be >= 1, got {self.lanes}")
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -138,6 +144,51 @@ def _chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[
     return tiles.view(B, -1, per_chunk).amax(dim=(0, 2)).tolist()
 
 
+@dataclass
+class _LaneScratch:
+    """Per-lane scratch of one call: a chunk's candidate buffers and row state, the final
+    selection's bitmaps, and the lane's counters (rows refined, refines; NaN seen)."""
+
+    buf: torch.Tensor
+    cnt: torch.Tensor
+    th: torch.Tensor
+    refine: torch.Tensor
+    nan_rows: torch.Tensor
+    dbg_rows: torch.Tensor
+    fin_bitmap: torch.Tensor
+    fin_words: torch.Tensor
+    stats: torch.Tensor
+    nan_any: torch.Tensor | None
+
+
+def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, check_nan, score_only) -> _LaneScratch:
+    cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
+    return _LaneScratch(
+        buf=torch.empty(B, R, row_keys, dtype=torch.int64, device=dev),
+        cnt=cnt,
+        # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
+        th=torch.empty(B, R, 4, dtype=torch.int32, device=dev),
+        refine=torch.empty(B, R, dtype=torch.int32, device=dev),
+        nan_rows=torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt,
+        dbg_rows=torch.empty(B, R, dtype=torch.float32, device=dev) if score_only else cnt,
+        fin_bitmap=torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev),
+        fin_words=torch.empty(n_fin, n_words, dtype=torch.int64, device=dev),
+        stats=torch.zeros(2, dtype=torch.int64, device=dev),
+        nan_any=torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None,
+    )
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev: torch.device, lane: int):
+    """Lane ``lane``'s stream on ``dev`` (created once, reused by every call)."""
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), lane)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE_STREAMS[key]
+
+
 def _hytopk_triton(
     q, k, w, topk, *, cu_seqlens=None, window_start=None, relu=True, check_nan=False, return_scores=True,
     config: HyTopKConfig | None = None, cap: int | None = None, chunk_rows: int | None = None,
@@ -178,24 +229,25 @@ def _hytopk_triton(
     seg = max(1, (SC - k_slots) // 3)
     slack = max(0, ((SC - seg) * BN - K) // 2)
     OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
-    if chunk_rows is None:
-        chunk_rows = max(BQ, SCRATCH_BYTES // ((8 * SC + 4) * BN * B) // BQ * BQ)
-    R = min(S, chunk_rows)
+    dev = q.device
+    # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
+    # cfg.lanes lanes (the current stream and side streams, each with its share of the scratch), so
+    # one chunk's refines and final selection (memory-bound) run beside another's scan (matmul-bound).
+    lanes = cfg.lanes if dev.type == "cuda" else 1
+    if chunk_rows is None:  # equal chunks: a short last one would leave SMs idle on its long rows
+        R_max = max(BQ, SCRATCH_BYTES // lanes // ((8 * SC + 4) * BN * B) // BQ * BQ)
+        R = min(S, triton.cdiv(triton.cdiv(S, triton.cdiv(S, R_max)), BQ) * BQ)
+    else:
+        R = min(S, chunk_rows)
+    chunk_starts = range(0, S, R)
+    lanes = min(lanes, len(chunk_starts))
 
     start, _ = reference.query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
     start = start.clamp(0, T).to(torch.int32)
     q = q.contiguous()
     k = k.contiguous()
     w = w.to(torch.float32).contiguous()
-    dev = q.device
-    buf = torch.empty(B, R, SC * BN, dtype=torch.int64, device=dev)
-    cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
-    # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
-    th = torch.empty(B, R, 4, dtype=torch.int32, device=dev)
-    refine = torch.empty(B, R, dtype=torch.int32, device=dev)
-    nan_rows = torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt
-    dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else cnt
-    dbg_rows = torch.empty(B, R, dtype=torch.float32, device=dev) if score_only else cnt  # per chunk
+    dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else None
     n_out = topk if return_scores else 0
     if topk > K:  # columns no row can fill
         indices = torch.full((B, S, topk), -1, dtype=torch.int32, device=dev)
@@ -203,13 +255,11 @@ def _hytopk_triton(
     else:
         indices = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
         scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
-    nan_any = torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None
-    # Finalize scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
+    # Final-selection scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
     # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
     n_words = triton.cdiv(T, 32)
-    n_fin = max(1, min(_finalize_programs(dev), FINALIZE_SCRATCH_BYTES // (12 * n_words)))
-    fin_bitmap = torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev)
-    fin_words = torch.empty(n_fin, n_words, dtype=torch.int64, device=dev)
+    n_fin = max(1, min(_finalize_programs(dev), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
+    lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, check_nan, score_only) for _ in range(lanes)]
     # TMA needs a 16-byte aligned base and row pitch and a box of at most 256 per dimension; the
     # descriptor's [1, BN, DP] box is zero-filled past T and D, as the pointer path's masks are
     use_tma = (
@@ -222,57 +272,70 @@ def _hytopk_triton(
         launch["maxnreg"] = cfg.maxnreg
     small = {} if interp else {"num_warps": cfg.refine_warps}
     if cu_seqlens is None and window_start is None:  # windows [0, T - S + i]: known without a sync
-        chunk_tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in range(0, S, R)]
+        chunk_tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in chunk_starts]
     else:  # one sync: how many scan launches each chunk needs
         chunk_tiles = _chunk_tiles(start, T, BQ, BN, R)
-    for i0, n_tiles in zip(range(0, S, R), chunk_tiles):
+    streams = [None]
+    if lanes > 1:  # side streams start after everything above (inputs, outputs, scratch)
+        streams = [torch.cuda.current_stream(dev)] + [_side_stream(dev, i) for i in range(1, lanes)]
+        for st in streams[1:]:
+            st.wait_stream(streams[0])
+    for c, (i0, n_tiles) in enumerate(zip(chunk_starts, chunk_tiles)):
         rc = min(R, S - i0)
-        cnt.zero_()
-        # tau = the smallest key (keep everything until the first refine); nothing stored: an empty
-        # range. Filled on the device: a tensor built from a Python list would be a host-to-device
-        # copy, which PyTorch follows with a stream sync (a host stall per call).
-        th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
-        th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
-        refine.zero_()
-        if score_only:
-            dbg_rows.zero_()
-        for seg0 in range(0, n_tiles, seg):
-            # A slot gains at most one key per tile, so none can be fuller than SC - seg before
-            # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
-            if not score_only and seg0 > SC - seg:
-                _kernels._hytopk_refine_kernel[(rc, B)](
-                    buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, **small
+        ls = lane_state[c % lanes]
+        buf, cnt, th, refine, nan_rows, dbg_rows = ls.buf, ls.cnt, ls.th, ls.refine, ls.nan_rows, ls.dbg_rows
+        with torch.cuda.stream(streams[c % lanes]) if lanes > 1 else contextlib.nullcontext():
+            cnt.zero_()
+            # tau = the smallest key (keep everything until the first refine); nothing stored: an
+            # empty range. Filled on the device: a tensor built from a Python list would be a
+            # host-to-device copy, which PyTorch follows with a stream sync (a host stall per call).
+            th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
+            th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
+            refine.zero_()
+            if score_only:
+                dbg_rows.zero_()
+            for seg0 in range(0, n_tiles, seg):
+                # A slot gains at most one key per tile, so none can be fuller than SC - seg before
+                # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
+                if not score_only and seg0 > SC - seg:
+                    _kernels._hytopk_refine_kernel[(rc, B)](
+                        buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                        **small,
+                    )  # fmt: skip
+                _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
+                    q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                    S, T, i0, rc, seg0, SC - seg,
+                    *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+                    H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
+                    RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
+                    UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
+                    **launch,
                 )  # fmt: skip
-            _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
-                q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
-                S, T, i0, rc, seg0, SC - seg,
-                *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-                H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
-                RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
-                UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
-                **launch,
+            if score_only:
+                dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
+            if score_only or scan_only:
+                continue
+            _kernels._hytopk_finalize_kernel[(min(B * rc, n_fin),)](
+                buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
+                indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
+                NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024,
+                WRITE_SCORES=return_scores, **({} if interp else {"num_warps": cfg.finalize_warps}),
             )  # fmt: skip
-        if score_only:
-            dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
-        if score_only or scan_only:
-            continue
-        _kernels._hytopk_finalize_kernel[(min(B * rc, n_fin),)](
-            buf, cnt, th, fin_bitmap, fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
-            indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
-            NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024, WRITE_SCORES=return_scores,
-            **({} if interp else {"num_warps": cfg.finalize_warps}),
-        )  # fmt: skip
-        counters = _STATS_DEVICE.get(dev)
-        if counters is None:  # (not setdefault: its default would be allocated on every call)
-            counters = _STATS_DEVICE[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
-        counters += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
-        if check_nan:
-            nan_any |= nan_rows[:, :rc].any()
+            ls.stats += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
+            if check_nan:
+                ls.nan_any |= nan_rows[:, :rc].any()
+    for st in streams[1:]:
+        streams[0].wait_stream(st)
     if score_only or scan_only:
-        return dbg if score_only else cnt
+        return dbg if score_only else lane_state[(len(chunk_starts) - 1) % lanes].cnt
+    counters = _STATS_DEVICE.get(dev)
+    if counters is None:  # (not setdefault: its default would be allocated on every call)
+        counters = _STATS_DEVICE[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
+    for ls in lane_state:
+        counters += ls.stats
     _STATS["calls"] += 1
     _STATS["rows"] += B * S
-    if check_nan and bool(nan_any):
+    if check_nan and any(bool(ls.nan_any) for ls in lane_state):
         raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
     return indices, scores
 

@@ -8,6 +8,7 @@ kernel's set is a valid exact top-k of the reference scores up to a tolerance of
 at the boundary (``assert_valid_topk``), and that repeated runs are bit-identical.
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -149,3 +150,32 @@ def test_no_host_sync_without_packed_sequences():
         hytopk(q, k, w, 2048, backend="triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_chunks_over_lanes_exact_counted_and_sync_free():
+    """Many query chunks spread over 1 or 3 lanes (CUDA streams), with a small buffer that forces
+    refines in every chunk, and a NaN only the last chunk's rows see: the same exact sets, the
+    same refine counts, the NaN found, and no host sync inside the call."""
+    T = 4096
+    q, k, w = int_inputs(1, T, T, 32, 128, device="cuda", seed=11, qk_range=2)
+    ref = ref_topk(q, k, w, K)
+    base = mod._pick_config(32, 128, q.dtype, q.device)
+    counts = []
+    for lanes in (1, 3):
+        cfg = dataclasses.replace(base, lanes=lanes)
+        mod.reset_hytopk_stats()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = mod._hytopk_triton(q, k, w, K, config=cfg, cap=K + 256, chunk_rows=600)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_same(got, ref, f"lanes={lanes}")
+        stats = mod.hytopk_stats()
+        assert stats["rows_refined"] >= 1024
+        counts.append((stats["rows_refined"], stats["refines"]))
+    assert counts[0] == counts[1]
+    k_nan = k.clone()
+    k_nan[0, T - 10] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        mod._hytopk_triton(q, k_nan, w, K, config=dataclasses.replace(base, lanes=3), chunk_rows=600, check_nan=True)

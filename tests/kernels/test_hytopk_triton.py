@@ -67,6 +67,11 @@ def test_radix_digit_width_out_of_range_is_rejected(bits):
         mod.HyTopKConfig(BQ=2, BN=16, select_bits=bits)
 
 
+def test_zero_lanes_is_rejected():
+    with pytest.raises(ValueError, match="lanes"):
+        mod.HyTopKConfig(BQ=2, BN=16, lanes=0)
+
+
 @pytest.mark.parametrize(
     "dtype,H,D",
     [(torch.float16, 16, 16), (torch.float32, 3, 24), (torch.bfloat16, 64, 16), (torch.bfloat16, 8, 64)],
