@@ -52,6 +52,22 @@ def test_adversarial_rows_bitwise(small, T):
     assert int((ref[1][0, -1] == 0).sum()) > 0
 
 
+def test_all_negative_scores_tiny_buffer_bitwise():
+    """Every score below zero (ReLU off, q . k < 0, w > 0) with a tiny buffer: every key the radix
+    selects see has a negative mono, so their lower bound (the smallest score the scan stored, row
+    state th[..., 2]) must go below zero; a bound clamped at 0 leaves every key out of the select."""
+    g = torch.Generator().manual_seed(4)
+    T, H, D = 64, 4, 16
+    q = -torch.randint(1, 4, (1, T, H, D), generator=g).to(torch.bfloat16)
+    k = torch.randint(1, 4, (1, T, D), generator=g).to(torch.bfloat16)
+    w = torch.randint(1, 5, (1, T, H), generator=g).float() / 8
+    mod.reset_hytopk_stats()
+    got, ref = run_both(q.to(DEV), k.to(DEV), w.to(DEV), 8, small=True, relu=False)
+    assert bool((ref[1] < 0).all())
+    assert_same(got, ref, "all scores negative")
+    assert mod.hytopk_stats()["rows_refined"] > 0
+
+
 @pytest.mark.parametrize("bits", [3, 8])
 def test_radix_digit_widths_bitwise(bits):
     """8 or 256 buckets per radix level (default 128): more or fewer levels per select, same exact sets."""
