@@ -79,7 +79,6 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
     depth = tl.max(slots)
     above = tl.zeros([], tl.int32)  # keys > hi
     tau = lo
-    ge = tl.sum(slots)
     done = 0
     while done == 0:
         # Bucket width 2**s with (hi >> s) - (lo >> s) < 2**LOG_NB: s = floor(log2(r)) - (LOG_NB - 3)
