@@ -11,7 +11,8 @@ same run. Also one HyTopK run at 1M tokens (--million). Writes JSON and a PNG pl
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) use private knobs of ``_hytopk_triton``; everything else
-uses the public API. ``ours_kernel_ms``: GPU time per HyTopK kernel in one call (torch.profiler). Run from the repository root with the package installed (or PYTHONPATH=.).
+uses the public API. ``ours_kernel_ms``: GPU time per HyTopK kernel in one call (torch.profiler).
+Run from the repository root with the package installed (or PYTHONPATH=.).
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def sweep_configs(stats_mod):
         (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 8 * TOPK),
         *((cfg(4, 64, 4, 2, select_bits=bits), None) for bits in (8, 6, 5, 4)),
         (cfg(4, 64, 4, 2, CH=512), None), (cfg(4, 64, 4, 2, CH=2048), None), (cfg(8, 64, 8, 2), None),
-        (cfg(4, 64, 4, 2, tma=False), None), (cfg(4, 64, 4, 3, tma=False), None),
+        (cfg(4, 64, 4, 2, tma=False), None), (cfg(4, 64, 4, 3, tma=False), None), (cfg(4, 64, 4, 2, lanes=1), None),
     ]  # fmt: skip
 
 

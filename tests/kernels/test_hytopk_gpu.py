@@ -94,8 +94,7 @@ def test_key_tiles_past_the_end_exact(tma):
     tile), two sequences: the TMA box and the pointer loads must both read zeros there."""
     T, D = 3000, 96
     q, k, w = int_inputs(2, T, T, 32, D, device="cuda", seed=9, qk_range=2)
-    cfg = mod._pick_config(32, D, q.dtype, q.device)
-    cfg = mod.HyTopKConfig(cfg.BQ, cfg.BN, cfg.num_warps, cfg.num_stages, tma=tma)
+    cfg = dataclasses.replace(mod._pick_config(32, D, q.dtype, q.device), tma=tma)
     got = mod._hytopk_triton(q, k, w, 512, config=cfg)
     assert_same(got, ref_topk(q, k, w, 512), f"T={T} D={D} tma={tma}")
 
