@@ -310,6 +310,7 @@ def _hytopk_triton(
                     H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
                     RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
                     UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
+                    ASM_STORE=not interp,
                     **launch,
                 )  # fmt: skip
             if score_only:
@@ -320,7 +321,8 @@ def _hytopk_triton(
                 buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
                 indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
                 NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024,
-                WRITE_SCORES=return_scores, **({} if interp else {"num_warps": cfg.finalize_warps}),
+                WRITE_SCORES=return_scores, ASM_STORE=not interp,
+                **({} if interp else {"num_warps": cfg.finalize_warps}),
             )  # fmt: skip
             ls.stats += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
             if check_nan:

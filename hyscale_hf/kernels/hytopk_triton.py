@@ -165,6 +165,42 @@ def _balanced_slots(n, NS: tl.constexpr):
 
 
 @triton.jit
+def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
+    """Masked store of ``value`` (32- or 64-bit), or with ``OR`` a relaxed atomic OR of int32, that
+    keeps the registers' layout (``ASM``: one PTX instruction per element; the interpreter, which
+    runs no PTX, takes ``tl.store`` / ``tl.atomic_or``).
+
+    Triton gives every ``tl.store`` and atomic a blocked "coalesced" layout of its own. The scan's
+    keys live in a slice of the wgmma accumulator layout, and converting them (keys, addresses and
+    mask) cost three round trips through shared memory with barriers per key tile (sm_90 TTGIR and
+    SASS); the final selection paid the same per buffer step. These writes go to scattered rows or
+    slots, so the blocked layout coalesced nothing.
+    """
+    if ASM:
+        addr = ptr.to(tl.int64)
+        on = mask.to(tl.int32)
+        if value.dtype.primitive_bitwidth == 64:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,l,r", [addr, value.to(tl.int64, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        elif OR:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.or.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [addr, value, on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [addr, value.to(tl.int32, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+    elif OR:
+        tl.atomic_or(ptr, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
 def _hytopk_scan_kernel(
     q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
     S, T, I0, R, SEG0, LOCAL_TILES,
@@ -172,7 +208,7 @@ def _hytopk_scan_kernel(
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
     RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SCORE_ONLY: tl.constexpr, TMA: tl.constexpr,
+    SCORE_ONLY: tl.constexpr, TMA: tl.constexpr, ASM_STORE: tl.constexpr,
 ):  # fmt: skip
     """Scores tiles ``[SEG0, SEG0 + SEG)`` of the key windows of BQ query rows (queries I0 + [0, R)
     of batch program_id(1)) and appends every key >= the row's threshold ``th[b, r]`` to the row's
@@ -292,7 +328,7 @@ def _hytopk_scan_kernel(
             above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
             keep = vis & above
             key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
-            tl.store(buf_rows[None, :] + fill * BN + jj[:, None], key, mask=keep)
+            _put_in_layout(buf_rows[None, :] + fill * BN + jj[:, None], key, keep, False, ASM_STORE)
             fill += keep.to(tl.int32)
             mono_lo = tl.minimum(mono_lo, mono)
             mono_hi = tl.maximum(mono_hi, mono)
@@ -336,7 +372,7 @@ def _hytopk_finalize_kernel(
     buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr,
     I0, R, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, BLOCK_W: tl.constexpr,
-    WRITE_SCORES: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, ASM_STORE: tl.constexpr,
 ):  # fmt: skip
     """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded.
 
@@ -362,7 +398,7 @@ def _hytopk_finalize_kernel(
         w_hi = tl.full([], -1, tl.int32)
         for ob in range(0, depth, OB):  # kept keys -> bitmap, and the word range they span
             _, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
-            tl.atomic_or(bm + (idx >> 5), 1 << (idx & 31), mask=keep, sem="relaxed")
+            _put_in_layout(bm + (idx >> 5), 1 << (idx & 31), keep, True, ASM_STORE)
             w_lo = tl.minimum(w_lo, tl.min(tl.where(keep, idx >> 5, _I32_MAX)))
             w_hi = tl.maximum(w_hi, tl.max(tl.where(keep, idx >> 5, -1)))
         tl.debug_barrier()
@@ -381,11 +417,11 @@ def _hytopk_finalize_kernel(
             x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
             v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
             slot = _bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31)
-            tl.store(out_idx + slot, idx, mask=keep)
+            _put_in_layout(out_idx + slot, idx, keep, False, ASM_STORE)
             if WRITE_SCORES:
                 mono = (x >> 32).to(tl.int32)
                 bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
-                tl.store(out_score + slot, bits.to(tl.float32, bitcast=True), mask=keep)
+                _put_in_layout(out_score + slot, bits.to(tl.float32, bitcast=True), keep, False, ASM_STORE)
         for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad
             offs = p0 + tl.arange(0, BLOCK_W)
             tl.store(out_idx + offs, tl.full([BLOCK_W], -1, tl.int32), mask=offs < KOUT)
