@@ -225,7 +225,8 @@ def _hytopk_triton(
     if cap is None:
         # 8 * K keys rather than 4 * K: longer segments (fewer scan and refine launches) and fewer
         # refines (H200, T = 128K: 192K against 340K per call) outweigh the final selection's larger
-        # buffers and the halved chunks: 161.4-163.4 against 165.1-165.8 ms (three same-run sweeps).
+        # buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072`
+        # (16 * K was slower, 170.9 ms: BENCHMARKS.md).
         k_pow2 = triton.next_power_of_2(K)
         cap = max(8 * k_pow2, k_pow2 + 4 * BN)
     k_slots = triton.cdiv(K, BN)
@@ -304,7 +305,7 @@ def _hytopk_triton(
                 if not score_only and seg0 > SC - seg:
                     _kernels._hytopk_refine_kernel[(rc, B)](
                         buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                        **small,
+                        ASM_STORE=not interp, **small,
                     )  # fmt: skip
                 _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
                     q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,

@@ -115,7 +115,44 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
 
 
 @triton.jit
-def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
+def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
+    """Masked store of ``value`` (32- or 64-bit), or with ``OR`` a relaxed atomic OR of int32, that
+    keeps the registers' layout (``ASM``: one PTX instruction per element; the interpreter, which
+    runs no PTX, takes ``tl.store`` / ``tl.atomic_or``).
+
+    Triton gives every ``tl.store`` and atomic a blocked "coalesced" layout of its own. The scan's
+    keys live in a slice of the wgmma accumulator layout, and converting them (keys, addresses and
+    mask) cost three round trips through shared memory with barriers per key tile (sm_90 TTGIR and
+    SASS); the final selection and the refine's compaction paid the same per buffer step. These
+    writes go to scattered rows or slots, so the blocked layout coalesced nothing.
+    """
+    tl.static_assert(not OR or value.dtype.primitive_bitwidth == 32, "_put_in_layout: OR takes 32-bit values")
+    if ASM:
+        addr = ptr.to(tl.int64)
+        on = mask.to(tl.int32)
+        if value.dtype.primitive_bitwidth == 64:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,l,r", [addr, value.to(tl.int64, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        elif OR:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.or.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [addr, value, on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [addr, value.to(tl.int32, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+    elif OR:
+        tl.atomic_or(ptr, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr, ASM: tl.constexpr):
     """Move a row's keys >= tau to the front (``row_ptr[0:kept]``), in place; returns ``kept``.
 
     Entries are visited in address order and each goes to an address <= its own, so a block is
@@ -128,7 +165,7 @@ def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr):
         keep = tl.reshape((m & (x >= tau)).to(tl.int32), [OB * NS])
         pos = kept + tl.cumsum(keep, 0) - keep
         tl.debug_barrier()
-        tl.store(row_ptr + pos, tl.reshape(x, [OB * NS]), mask=keep > 0)
+        _put_in_layout(row_ptr + pos, tl.reshape(x, [OB * NS]), keep > 0, False, ASM)
         kept += tl.sum(keep)
     tl.debug_barrier()
     return kept
@@ -162,42 +199,6 @@ def _kept_keys(row_ptr, slots, ob, tau, NS: tl.constexpr, OB: tl.constexpr):
 def _balanced_slots(n, NS: tl.constexpr):
     """Slot fill counts of n keys stored contiguously: slot j holds entries j, j + NS, ... < n."""
     return (n - tl.arange(0, NS) + NS - 1) // NS
-
-
-@triton.jit
-def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
-    """Masked store of ``value`` (32- or 64-bit), or with ``OR`` a relaxed atomic OR of int32, that
-    keeps the registers' layout (``ASM``: one PTX instruction per element; the interpreter, which
-    runs no PTX, takes ``tl.store`` / ``tl.atomic_or``).
-
-    Triton gives every ``tl.store`` and atomic a blocked "coalesced" layout of its own. The scan's
-    keys live in a slice of the wgmma accumulator layout, and converting them (keys, addresses and
-    mask) cost three round trips through shared memory with barriers per key tile (sm_90 TTGIR and
-    SASS); the final selection paid the same per buffer step. These writes go to scattered rows or
-    slots, so the blocked layout coalesced nothing.
-    """
-    if ASM:
-        addr = ptr.to(tl.int64)
-        on = mask.to(tl.int32)
-        if value.dtype.primitive_bitwidth == 64:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,l,r", [addr, value.to(tl.int64, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-        elif OR:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.or.b32 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [addr, value, on], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [addr, value.to(tl.int32, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-    elif OR:
-        tl.atomic_or(ptr, value, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptr, value, mask=mask)
 
 
 @triton.jit
@@ -348,7 +349,7 @@ def _hytopk_scan_kernel(
 @triton.jit
 def _hytopk_refine_kernel(
     buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
-    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, ASM_STORE: tl.constexpr,
 ):  # fmt: skip
     """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
     threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
@@ -358,7 +359,7 @@ def _hytopk_refine_kernel(
     if tl.max(slots) > LIMIT:
         row_ptr = buf_ptr + row * (SC * NS)
         tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
-        kept = _compact(row_ptr, slots, tau, NS, OB)
+        kept = _compact(row_ptr, slots, tau, NS, OB, ASM_STORE)
         t_hi = tau >> 32
         t_idx = tl.minimum(_key_index(tau), _I32_MAX)
         tl.store(th_ptr + row * 4, t_hi.to(tl.int32))
