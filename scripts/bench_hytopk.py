@@ -230,7 +230,7 @@ def sweep_configs(stats_mod):
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
-        (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 4 * TOPK),
+        (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 4 * TOPK), (cfg(4, 64, 4, 2), 16 * TOPK),
         *((cfg(4, 64, 4, 2, select_bits=bits), None) for bits in (8, 6, 5, 4)),
         (cfg(4, 64, 4, 2, CH=512), None), (cfg(4, 64, 4, 2, CH=2048), None), (cfg(8, 64, 8, 2), None),
         (cfg(4, 64, 4, 2, tma=False), None), (cfg(4, 64, 4, 3, tma=False), None), (cfg(4, 64, 4, 2, lanes=1), None),
