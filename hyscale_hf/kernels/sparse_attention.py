@@ -10,6 +10,10 @@ one key list, gathers the listed key rows ``BLOCK_N`` at a time and runs an onli
   (all heads share the one latent row, so the heads are the matmul M side). The key dim is split
   into a power-of-two part and a power-of-two tail (576 = 512 + 64: Triton tiles are powers of
   two); when ``v`` is the first ``Dv`` dims of ``k`` the gathered key tile doubles as the value tile.
+  On sm_90 (Hopper) the forward of the GLM-5 / DeepSeek-V3.2 shape (576 = 512 + 64, v = k[..., :512],
+  heads in blocks of 64, bf16/fp16) runs a warp-specialised Gluon kernel instead
+  (``mla_forward_gluon``): its gather, Q K^T and P V overlap, where this Triton kernel runs them one
+  after another (H200, T = 128K: 388 against 275 TFLOP/s; BENCHMARKS.md). Same blocks, same results.
 - GQA/MHA: query tiles. A tile of ``128 // G`` consecutive queries times the G heads of one KV head
   forms 128 rows over the sorted union of the tile's selected keys, with a per-query bitmask of
   membership (``_union_tiles``: Triton kernels in ``_tile_unions.py``, no sort). Neighbouring
@@ -51,6 +55,10 @@ try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference 
     from . import _tile_unions
 except ImportError:  # pragma: no cover
     triton = None
+try:  # Gluon (Triton's explicit-layout dialect) with its Hopper ops: the MLA forward on sm_90
+    from . import mla_forward_gluon
+except ImportError:  # pragma: no cover
+    mla_forward_gluon = None
 
 _LOG2E = 1.4426950408889634
 
@@ -583,6 +591,31 @@ def _v_grad_flows_into_k(k: torch.Tensor, v: torch.Tensor) -> bool:
     return v._base is not None and v._base is base
 
 
+def _gluon_mla_forward_applies(q: torch.Tensor, k: torch.Tensor, v_from_k: bool, run: "_KeyLists") -> bool:
+    """The Hopper MLA forward (``mla_forward_gluon``) takes per-token lists of MLA-absorbed rows:
+    one KV head of 576 dims whose first 512 are v, query heads in blocks of 64, bf16/fp16, unit
+    inner strides and 16-byte aligned rows (its copies move 16-byte pieces), on an sm_90 GPU.
+    ``_CONFIG_OVERRIDES["mla_gluon"] = False`` turns it off (the Triton forward then runs)."""
+    if mla_forward_gluon is None or not q.is_cuda or run.tile_q or not _CONFIG_OVERRIDES.get("mla_gluon", True):
+        return False
+    rows_aligned = all(t.data_ptr() % 16 == 0 for t in (q, k)) and all(
+        st % 8 == 0 for st in (*q.stride()[:3], k.stride(0), k.stride(1))
+    )
+    return (
+        torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k.dtype == q.dtype
+        and v_from_k
+        and k.shape[2] == 1
+        and q.shape[2] % 64 == 0
+        and q.shape[3] == 576
+        and q.stride(3) == 1
+        and k.stride(3) == 1
+        and run.idx.stride(2) == 1
+        and rows_aligned
+    )
+
+
 def triton_unsupported_reason(q, k, v) -> str | None:
     """Why the Triton kernel cannot take these inputs (None if it can)."""
     if not (q.dtype == k.dtype == v.dtype):
@@ -723,6 +756,9 @@ def _sparse_attention_fwd(q, k, v, indices, scale: float):
         # work, while the per-token forward only moves the selected rows. (The backward still
         # takes the tiles: there a key's contributions sum in registers before one atomic add.)
         run = _token_lists(indices)
+    if _gluon_mla_forward_applies(q, k, v_from_k, run):
+        mla_forward_gluon.mla_forward(q, k, run.idx, run.num, scale * _LOG2E, o, lse)
+        return o, lse, lists
     L = run.idx.shape[2]
     if run.tile_q:
         cfg = _config("fwd_tiled", group, Dqk, Dv, L)
