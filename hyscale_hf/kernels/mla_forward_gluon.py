@@ -132,6 +132,7 @@ def _softmax_partition(
         _sync_partition()
         mbarrier.arrive(bars.index(_P_READY), count=1)
         m_i = m_new
+    async_copy.wait_group(0)  # a row without keys never waited for q's copy: none may outlive the program
     has_key = l_i > 0
     l_safe = gl.where(has_key, l_i, 1.0)
     lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
