@@ -1,4 +1,5 @@
-"""GPU: sparse attention (bf16; Triton, and on sm_90 the Gluon MLA forward) against the fp32 reference at T = 4K and 16K, MLA and GQA shapes.
+"""GPU: sparse attention (bf16; Triton, and on sm_90 the Gluon MLA forward) against the fp32
+reference at T = 4K and 16K, MLA and GQA shapes.
 
 Selections mimic a DSA indexer: 4 sink tokens, a 1024-token local window and random far tokens,
 K = 2048; queries t < K see all keys 0..t and pad with -1; one query selects nothing.
