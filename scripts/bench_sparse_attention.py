@@ -13,13 +13,17 @@ Measured (bf16, B = 1, one sequence of T tokens, S = T queries, K selected keys)
     deterministic backward), and dense causal SDPA (flash backend) forward+backward; the ratio.
   - MLA absorbed (64 heads, Dqk 576 = 512 + 64, Dv 512, v = k[..., :512]): forward and backward
     time and TFLOP/s (forward 2*H*pairs*(Dqk+Dv), backward 2*H*pairs*(3*Dqk+2*Dv), pairs = valid
-    selected (query, key) pairs).
+    selected (query, key) pairs). Where the forward runs the Gluon kernel (sm_90), the Triton
+    forward is timed too as the same-run baseline (``triton_fwd_*``; switched through the private
+    ``sparse_attention._CONFIG_OVERRIDES["mla_gluon"]``, the one place this script leaves the
+    public API).
 
     python scripts/bench_sparse_attention.py --out results/       # JSON (+ PNG if matplotlib)
     python scripts/bench_sparse_attention.py --plot results/bench_sparse_attention.json
 """
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -34,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import cuda_median_ms  # noqa: E402
 
 from hyscale_hf import sparse_attention  # noqa: E402
+
+SA = importlib.import_module("hyscale_hf.kernels.sparse_attention")
 
 
 def realistic_selection(T, K, *, sinks=4, window=1024, far_share=1, seed=0, device="cuda", chunk=4096):
@@ -144,6 +150,20 @@ def bench_gqa(T, K, idx, args, dense=True):
     return res
 
 
+def _gluon_forward_runs(q, kv, idx):
+    """Whether sparse_attention's MLA forward takes the Gluon kernel for these inputs (counts its launches)."""
+    if SA.mla_forward_gluon is None:
+        return False
+    calls, real = [], SA.mla_forward_gluon.mla_forward
+    SA.mla_forward_gluon.mla_forward = lambda *a: calls.append(1) or real(*a)
+    try:
+        with torch.no_grad():
+            sparse_attention(q, kv, kv[..., :512], idx)
+    finally:
+        SA.mla_forward_gluon.mla_forward = real
+    return bool(calls)
+
+
 def bench_mla(T, K, idx, args):
     H, Dqk, Dv = 64, 576, 512
     dt = torch.bfloat16
@@ -160,6 +180,13 @@ def bench_mla(T, K, idx, args):
 
     with torch.no_grad():
         res["fwd_ms"] = timed(sparse(False), budget_ms=args.budget_ms)
+        if _gluon_forward_runs(q, kv, idx):
+            SA._CONFIG_OVERRIDES["mla_gluon"] = False
+            try:
+                res["triton_fwd_ms"] = timed(sparse(False), budget_ms=args.budget_ms)
+            finally:
+                del SA._CONFIG_OVERRIDES["mla_gluon"]
+            res["triton_fwd_tflops"] = fwd_flop / res["triton_fwd_ms"] / 1e9
     for name, det in (("", False), ("det_", True)):
         if det and not (args.deterministic and T <= args.det_max_T):
             continue
@@ -203,6 +230,8 @@ def plot(path_json, path_png):
     x = range(len(rows))
     ax2.bar([i - 0.2 for i in x], [r["fwd_tflops"] for r in rows], 0.4, label="forward")
     ax2.bar([i + 0.2 for i in x], [r["bwd_tflops"] for r in rows], 0.4, label="backward")
+    if all("triton_fwd_tflops" in r for r in rows) and rows:
+        ax2.plot(list(x), [r["triton_fwd_tflops"] for r in rows], "k_", ms=20, mew=2, label="forward, Triton kernel")
     ax2.set_xticks(list(x), [f"T={r['T'] // 1024}K" for r in rows])
     ax2.set_ylabel("TFLOP/s")
     ax2.set_title("MLA absorbed, 64 heads, 576/512, K=2048, bf16")
@@ -286,6 +315,7 @@ def print_table(data):
         print(
             f"  T={r['T']:>6d} fwd {r['fwd_ms']:8.2f} ({r['fwd_tflops']:6.1f}) bwd {r['bwd_ms']:8.2f} ({r['bwd_tflops']:6.1f})"
             f" det bwd {r.get('det_bwd_ms', float('nan')):8.2f}"
+            f" Triton fwd {r.get('triton_fwd_ms', float('nan')):8.2f} ({r.get('triton_fwd_tflops', float('nan')):6.1f})"
         )
 
 

@@ -13,7 +13,8 @@ one key list, gathers the listed key rows ``BLOCK_N`` at a time and runs an onli
   On sm_90 (Hopper) the forward of the GLM-5 / DeepSeek-V3.2 shape (576 = 512 + 64, v = k[..., :512],
   heads in blocks of 64, bf16/fp16) runs a warp-specialised Gluon kernel instead
   (``mla_forward_gluon``): its gather, Q K^T and P V overlap, where this Triton kernel runs them one
-  after another (H200, T = 128K: 388 against 275 TFLOP/s; BENCHMARKS.md). Same blocks, same results.
+  after another (H200, T = 128K: 389 against 276 TFLOP/s in one run; BENCHMARKS.md). Same blocks,
+  same results.
 - GQA/MHA: query tiles. A tile of ``128 // G`` consecutive queries times the G heads of one KV head
   forms 128 rows over the sorted union of the tile's selected keys, with a per-query bitmask of
   membership (``_union_tiles``: Triton kernels in ``_tile_unions.py``, no sort). Neighbouring
