@@ -164,6 +164,8 @@ def _pv_partition(n_blocks, o_base, s_oh, kv_smem, p_smem, alpha_smem, l_smem, b
     gl.store(o_base + rows[:, None] * s_oh + cols[None, :], o.to(o_base.dtype.element_ty))
 
 
+# warp_specialize hands its partitions runtime values only, so the column half (a constexpr of the
+# shared-memory slice) is fixed by one small entry function per half
 @gluon.jit
 def _pv_low_partition(n_blocks, o_base, s_oh, kv_smem, p_smem, alpha_smem, l_smem, bars):
     _pv_partition(n_blocks, o_base, s_oh, kv_smem, p_smem, alpha_smem, l_smem, bars, 0)
