@@ -34,6 +34,13 @@ try:  # host-side TMA descriptors (Triton >= 3.4); without them the scan loads k
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
+try:  # the warp-specialised Hopper scan (Gluon); a Triton without Gluon's Hopper names runs the Triton scan
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+
+    from . import hytopk_scan_gluon as _gluon_scan
+except (ImportError, AttributeError):  # pragma: no cover
+    _gluon_scan = None
 
 # ----------------------------------------------------------------------------- Triton backend
 
@@ -89,6 +96,10 @@ class HyTopKConfig:
     # Query chunks run in this many lanes (CUDA streams, each with its share of the scratch), so one
     # chunk's refines and final selection (memory-bound) overlap another chunk's scan (GPU only).
     lanes: int = 2
+    # The warp-specialised Gluon scan on sm_90 (``hytopk_scan_gluon``) where it applies, with this
+    # many key tiles in its ring (H200, T = 128K: 4 stages 151.1 ms, 3 stages 154.5 ms).
+    gluon_scan: bool = True
+    gluon_stages: int = 4
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -111,6 +122,32 @@ def _pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> Hy
     # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
     # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
     return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+
+
+# Product columns (queries x heads) per selection warpgroup of the Gluon scan.
+_GLUON_SCAN_COLUMNS = 256
+# Keys per sequence from which the Gluon scan runs: one program per SM of 16 queries leaves SMs idle
+# at the end of each launch, which long windows amortise. H200, H = 32, same runs, scan kernel time:
+# 8K 0.69 against 0.56 ms for the Triton scan, 32K 10.3 against 9.4-10.0, 64K 41.4-43.5 against
+# 44.3, 128K whole op 151.1 against 162.3 ms (BENCHMARKS.md).
+_GLUON_SCAN_MIN_KEYS = 65536
+
+
+def _gluon_scan_applies(q, k, cfg: HyTopKConfig, interp: bool, cu_seqlens) -> bool:
+    """The Gluon scan (``hytopk_scan_gluon``) takes sm_90 with bf16/fp16 keys through TMA, H 32 or 64
+    (BQ = 256 / H queries per warpgroup: its column order needs a multiple of 4, and more queries
+    would need more registers for their row state), D a power of two in [16, 256] and on average
+    at least ``_GLUON_SCAN_MIN_KEYS`` keys per sequence; ``HyTopKConfig.gluon_scan = False`` turns
+    it off (the Triton scan then runs)."""
+    if _gluon_scan is None or interp or not cfg.gluon_scan or not q.is_cuda:
+        return False
+    H, D = q.shape[2], q.shape[3]
+    n_seqs = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    return (
+        torch.cuda.get_device_capability(q.device) == (9, 0) and q.dtype in (torch.bfloat16, torch.float16)
+        and cfg.tma and cfg.BN == 64 and H in (32, 64) and D in (16, 32, 64, 128, 256) and k.data_ptr() % 16 == 0
+        and k.shape[1] >= n_seqs * _GLUON_SCAN_MIN_KEYS
+    )  # fmt: skip
 
 
 def _finalize_programs(device: torch.device) -> int:
@@ -219,6 +256,10 @@ def _hytopk_triton(
     HP, DP = triton.next_power_of_2(H), max(16, triton.next_power_of_2(D))
     BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
+    use_gluon = _gluon_scan_applies(q, k, cfg, interp, cu_seqlens)
+    if use_gluon:  # two groups of BQ queries per program, BQ * H = 256 product columns each
+        BQ = _GLUON_SCAN_COLUMNS // H
+    PR = 2 * BQ if use_gluon else BQ  # query rows per scan program
     # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
     # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
     # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
@@ -240,8 +281,8 @@ def _hytopk_triton(
     # one chunk's refines and final selection (memory-bound) run beside another's scan (matmul-bound).
     lanes = cfg.lanes if dev.type == "cuda" else 1
     if chunk_rows is None:  # equal chunks: a short last one would leave SMs idle on its long rows
-        R_max = max(BQ, SCRATCH_BYTES // lanes // ((8 * SC + 4) * BN * B) // BQ * BQ)
-        R = min(S, triton.cdiv(triton.cdiv(S, triton.cdiv(S, R_max)), BQ) * BQ)
+        R_max = max(PR, SCRATCH_BYTES // lanes // ((8 * SC + 4) * BN * B) // PR * PR)
+        R = min(S, triton.cdiv(triton.cdiv(S, triton.cdiv(S, R_max)), PR) * PR)
     else:
         R = min(S, chunk_rows)
     chunk_starts = range(0, S, R)
@@ -272,6 +313,9 @@ def _hytopk_triton(
         and k.data_ptr() % 16 == 0 and (D * k.element_size()) % 16 == 0
     )  # fmt: skip
     k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, BN, DP]) if use_tma else k
+    if use_gluon:  # the keys as [B * T, D] rows, a [BN, D] box per tile
+        layout = _gl.NVMMASharedLayout.get_default_for([BN, D], _gl.bfloat16 if k.dtype == torch.bfloat16 else _gl.float16)
+        k_desc = _GluonTensorDescriptor.from_tensor(k.view(B * T, D), [BN, D], layout)
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not interp:
         launch["maxnreg"] = cfg.maxnreg
@@ -279,7 +323,7 @@ def _hytopk_triton(
     if cu_seqlens is None and window_start is None:  # windows [0, T - S + i]: known without a sync
         chunk_tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in chunk_starts]
     else:  # one sync: how many scan launches each chunk needs
-        chunk_tiles = _chunk_tiles(start, T, BQ, BN, R)
+        chunk_tiles = _chunk_tiles(start, T, PR, BN, R)
     streams = [None]
     if lanes > 1:  # side streams start after everything above (inputs, outputs, scratch)
         streams = [torch.cuda.current_stream(dev)] + [_side_stream(dev, i) for i in range(1, lanes)]
@@ -307,16 +351,25 @@ def _hytopk_triton(
                         buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
                         ASM_STORE=not interp, **small,
                     )  # fmt: skip
-                _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
-                    q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
-                    S, T, i0, rc, seg0, SC - seg,
-                    *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-                    H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
-                    RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
-                    UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
-                    ASM_STORE=not interp,
-                    **launch,
-                )  # fmt: skip
+                if use_gluon:
+                    _gluon_scan._hytopk_scan_ws_kernel[(triton.cdiv(rc, PR), B)](
+                        q, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                        S, T, i0, rc, seg0, SC - seg,
+                        q.stride(0), q.stride(1), q.stride(2), *w.stride(), *start.stride(),
+                        H=H, BQ=BQ, SC=SC, SEG=seg, STAGES=cfg.gluon_stages,
+                        RELU=relu, CHECK_NAN=check_nan, SCORE_ONLY=score_only, num_warps=4,
+                    )  # fmt: skip
+                else:
+                    _kernels._hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
+                        q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                        S, T, i0, rc, seg0, SC - seg,
+                        *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+                        H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
+                        RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
+                        UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
+                        ASM_STORE=not interp,
+                        **launch,
+                    )  # fmt: skip
             if score_only:
                 dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
             if score_only or scan_only:

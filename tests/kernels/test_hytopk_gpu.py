@@ -26,8 +26,19 @@ def ref_topk(q, k, w, topk, **kw):
     return reference.hytopk_reference(q, k, w, topk, chunk_size=256, **kw)
 
 
+@pytest.fixture(params=["default", "gluon"], ids=["default-scan", "gluon-scan"])
+def scan(request, monkeypatch):
+    """Runs a test with the scan ``hytopk`` picks at its size, and with the Gluon scan (sm_90) forced
+    at every size (it runs from 64K keys per sequence by default); without it both are the same."""
+    if request.param == "gluon":
+        if mod._gluon_scan is None or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the Gluon scan is sm_90 only")
+        monkeypatch.setattr(mod, "_GLUON_SCAN_MIN_KEYS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("T", [4096, 16384])
-def test_random_integer_inputs_exact(T):
+def test_random_integer_inputs_exact(T, scan):
     q, k, w = int_inputs(1, T, T, 32, 128, device="cuda", seed=T, qk_range=2)
     mod.reset_hytopk_stats()
     got = hytopk(q, k, w, K, return_scores=True)  # backend="auto" picks Triton on CUDA
@@ -38,7 +49,7 @@ def test_random_integer_inputs_exact(T):
 
 
 @pytest.mark.parametrize("T", [4096, 16384])
-def test_adversarial_and_realistic_rows_exact(T):
+def test_adversarial_and_realistic_rows_exact(T, scan):
     """ReLU zero plateaus far larger than topk, monotone rows, one huge bucket of ties, many queries
     sharing a few strong keys (``adversarial_inputs``); every batch is its own pattern."""
     q, k, w = adversarial_inputs(T, T, 32, 128, device="cuda", seed=T, n_strong=40)
@@ -46,7 +57,7 @@ def test_adversarial_and_realistic_rows_exact(T):
     assert_same(got, ref_topk(q, k, w, K), f"adversarial T={T}")
 
 
-def test_continuous_bf16_valid_and_deterministic():
+def test_continuous_bf16_valid_and_deterministic(scan):
     T = 16384
     g = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(1, T, 32, 128, device="cuda", generator=g) / 128**0.5).bfloat16()
@@ -178,3 +189,52 @@ def test_chunks_over_lanes_exact_counted_and_sync_free():
     k_nan[0, T - 10] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         mod._hytopk_triton(q, k_nan, w, K, config=dataclasses.replace(base, lanes=3), chunk_rows=600, check_nan=True)
+
+
+class _LaunchCounter:
+    """Stands in for a jitted kernel: counts ``kernel[grid](...)`` launches and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.skipif(
+    mod._gluon_scan is None or not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the Gluon scan is sm_90 only",
+)
+@pytest.mark.parametrize(
+    "dtype,H,D,relu",
+    [(torch.bfloat16, 32, 128, True), (torch.float16, 64, 64, True), (torch.bfloat16, 32, 64, False)],
+    ids=["bf16-H32-D128", "fp16-H64-D64", "bf16-H32-D64-relu-off"],
+)
+def test_gluon_scan_exact_like_the_triton_scan(monkeypatch, dtype, H, D, relu):
+    """The warp-specialised scan (sm_90) against the reference and the Triton scan: two sequences,
+    the second one's windows starting late, a chunk size that is no multiple of the program's rows,
+    a small buffer that forces refines, a NaN key, and the scoring-only sums."""
+    T = 4096
+    monkeypatch.setattr(mod, "_GLUON_SCAN_MIN_KEYS", 0)  # it runs from 64K keys by default
+    q, k, w = int_inputs(2, T, T, H, D, dtype=dtype, device="cuda", seed=12, qk_range=2)
+    k[1, 3000] = float("nan")
+    ws = torch.tensor([0, 700], device="cuda")
+    cfg = mod._pick_config(H, D, dtype, q.device)
+    kw = dict(relu=relu, window_start=ws, cap=K + 256, chunk_rows=1500)
+    counter = _LaunchCounter(mod._gluon_scan._hytopk_scan_ws_kernel)
+    monkeypatch.setattr(mod._gluon_scan, "_hytopk_scan_ws_kernel", counter)
+    got = mod._hytopk_triton(q, k, w, K, config=cfg, **kw)
+    assert counter.launches > 0
+    ref = ref_topk(q, k, w, K, relu=relu, window_start=ws)
+    assert_same(got, ref, f"gluon scan {dtype} H={H} D={D} relu={relu}")
+    with pytest.raises(ValueError, match="NaN"):
+        mod._hytopk_triton(q, k, w, K, config=cfg, check_nan=True, **kw)
+    triton_cfg = dataclasses.replace(cfg, gluon_scan=False)
+    launches = counter.launches
+    assert_same(mod._hytopk_triton(q, k, w, K, config=triton_cfg, **kw), ref, "triton scan")
+    assert counter.launches == launches
+    sums = mod._hytopk_triton(q, k, w, K, config=cfg, score_only=True, **kw)
+    sums_triton = mod._hytopk_triton(q, k, w, K, config=triton_cfg, score_only=True, **kw)
+    # integer inputs: every partial sum is exact (rows that see the NaN key sum to NaN in both)
+    torch.testing.assert_close(sums, sums_triton, rtol=0, atol=0, equal_nan=True)

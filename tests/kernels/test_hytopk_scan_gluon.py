@@ -1,0 +1,55 @@
+"""HyTopK's Hopper scan (Gluon) compiles for sm_90 and fits one SM, checked on any machine.
+
+Its results are checked against the reference and the Triton scan by the GPU tests
+(``test_hytopk_gpu.py::test_gluon_scan_exact_like_the_triton_scan``); see ``_sm90_build`` for why
+and how the kernel is built here.
+"""
+
+import importlib
+import re
+
+import pytest
+
+from tests.kernels._sm90_build import SM90_SHARED_BYTES, build_sm90
+
+hk = importlib.import_module("hyscale_hf.kernels.hytopk")
+pytestmark = pytest.mark.skipif(hk._gluon_scan is None, reason="needs Triton with Gluon's Hopper ops")
+
+PTRS = dict(q_ptr="*bf16", k_desc="", w_ptr="*fp32", start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32",
+            th_ptr="*i32", nan_ptr="*i32", dbg_ptr="*fp32")  # fmt: skip
+INTS = "S T I0 R SEG0 LOCAL_TILES s_qb s_qs s_qh s_wb s_ws s_wh s_sb s_ss".split()
+
+
+@pytest.fixture(scope="module", params=[(32, 128), (64, 128)], ids=["H32-D128", "H64-D128"])
+def sm90_build(request):
+    H, D = request.param
+    cfg = hk.HyTopKConfig(BQ=4, BN=64)
+    return build_sm90(
+        dict(
+            module="hyscale_hf.kernels.hytopk_scan_gluon",
+            kernel="_hytopk_scan_ws_kernel",
+            signature={**PTRS, "k_desc": f"tensordesc:bf16:64x{D}", **dict.fromkeys(INTS, "i32")},
+            # the buffer of a top-2048 call: 256 entries per slot, segments of 74 tiles
+            constexprs=dict(H=H, BQ=hk._GLUON_SCAN_COLUMNS // H, SC=256, SEG=74, STAGES=cfg.gluon_stages,
+                            RELU=True, CHECK_NAN=False, SCORE_ONLY=False),  # fmt: skip
+            aligned=[n for n in PTRS if n != "k_desc"] + ["s_qb", "s_qs", "s_qh", "s_wb", "s_ws", "s_sb", "S", "T"],
+        )
+    )
+
+
+def test_fits_one_sm_without_spills_in_the_loop(sm90_build):
+    assert sm90_build["shared"] <= SM90_SHARED_BYTES
+    usage = sm90_build["usage"]
+    # ptxas keeps a few bytes of the selection warpgroups' setup on the stack (outside the tile
+    # loop, seen in the SASS); more than that would be spills of the loop's registers
+    assert "LOCAL:0" in usage and int(re.search(r"STACK:(\d+)", usage).group(1)) <= 16, usage
+
+
+def test_warpgroups_are_specialised(sm90_build):
+    # warpgroups with their own register budgets (setmaxnreg), mbarrier hand-offs, TMA key tiles,
+    # and an m64n256 product per selection warpgroup
+    ptx = sm90_build["ptx"]
+    assert "setmaxnreg" in ptx
+    assert "mbarrier.try_wait" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)
