@@ -1,8 +1,9 @@
 """Benchmark HyTopK against the baselines of DESIGN section 10, in one run, on one GPU.
 
 One sequence, H = 32 indexer heads of D = 128, topk = 2048, bf16 q/k, fp32 w, causal.
-For each T: HyTopK (Triton), the query-chunked torch baseline (score a chunk of queries with one
-matmul, ReLU, head-weighted sum, causal mask, torch.topk: what a careful user writes), the
+For each T: HyTopK (backend="triton"; its scan runs the Gluon kernel on sm_90), the query-chunked
+torch baseline (score a chunk of queries with one matmul, ReLU, head-weighted sum, causal mask,
+torch.topk: what a careful user writes), the
 Transformers-style path (fp32 [S, H, T] scores + torch.topk) where it fits in memory, and the bf16
 scoring floor: 4096 * T^2 FLOP (2 * H * D per causal pair) at the bf16 matmul rate measured in the
 same run. Also one HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
@@ -234,6 +235,7 @@ def sweep_configs(stats_mod):
         *((cfg(4, 64, 4, 2, select_bits=bits), None) for bits in (8, 6, 5, 4)),
         (cfg(4, 64, 4, 2, CH=512), None), (cfg(4, 64, 4, 2, CH=2048), None), (cfg(8, 64, 8, 2), None),
         (cfg(4, 64, 4, 2, tma=False), None), (cfg(4, 64, 4, 3, tma=False), None), (cfg(4, 64, 4, 2, lanes=1), None),
+        (cfg(4, 64, 4, 2, gluon_scan=False), None), (cfg(4, 64, 4, 2, gluon_stages=3), None),
     ]  # fmt: skip
 
 
@@ -245,7 +247,7 @@ def plot(rows, million, path, tflops):
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     Ts = [r["T"] for r in rows]
-    ax.plot(Ts, [r["ours_ms"] for r in rows], "o-", label="HyTopK (Triton)")
+    ax.plot(Ts, [r["ours_ms"] for r in rows], "o-", label="HyTopK")
     ax.plot(Ts, [r["chunked_torch_ms"] for r in rows], "s-", label="query-chunked torch + topk")
     tf = [(r["T"], r["transformers_style_ms"]) for r in rows if r.get("transformers_style_ms")]
     if tf:
