@@ -99,7 +99,7 @@ def _load_partition(k_desc, k_smem, bars, b, T, SEG0, n, n_local, first, last):
 
 @gluon.jit
 def _select_partition(
-    g, q_smem, k_smem, bars, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
+    g, q_ptr, s_qb, s_qs, s_qh, q_smem, k_smem, bars, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
     b, blk, S, T, I0, R, SEG0, n, n_local, first, last, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: gl.constexpr, BQ: gl.constexpr, SC: gl.constexpr,
     RELU: gl.constexpr, CHECK_NAN: gl.constexpr, SCORE_ONLY: gl.constexpr,
@@ -109,10 +109,26 @@ def _select_partition(
     per-row state is held per (key offset, query) in the scores' layout (a few registers)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = k_smem.shape[1]
+    DP: gl.constexpr = k_smem.shape[2]
     N: gl.constexpr = BQ * H
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     r0 = blk * (2 * BQ) + g * BQ
+
+    # the group's queries as N rows of (query, head) in the accumulator's column order, stored
+    # K-contiguous (the product reads them transposed); loaded here, not before the partitions
+    # split, so both groups load at once while the load warp already fetches the first key tiles
+    QLD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    d = gl.arange(0, DP, layout=gl.SliceLayout(0, QLD))
+    for part in gl.static_range(N // 64):  # 64 rows at a time: fewer registers
+        cq = part * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QLD))
+        r_q = r0 + (cq // (4 * H)) * 4 + (cq // 2) % 4
+        q_rows = q_ptr + b * s_qb + (I0 + r_q).to(gl.int64) * s_qs + (((cq // 8) % (H // 2)) * 2 + cq % 2) * s_qh
+        ok = (r_q < R) & ((cq * 0 + n) > 0)
+        q_part = gl.load(q_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        q_smem.index(g).slice(part * 64, 64, dim=0).store(q_part)
+    fence_async_shared()
+    _sync_partition()  # every warp's rows are in shared memory before the first product
 
     cols = gl.arange(0, N, layout=COL)
     c_q = (cols // (4 * H)) * 4 + (cols // 2) % 4
@@ -227,32 +243,20 @@ def _hytopk_scan_ws_kernel(
     n_local = gl.minimum(n_tiles, LOCAL_TILES)
     n = gl.minimum(SEG0 + SEG, n_tiles) - SEG0  # tiles this launch scores (<= 0: none)
 
-    # both groups' queries as N rows of (query, head) in the accumulator's column order, stored
-    # K-contiguous (the product reads them transposed)
-    QLD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    cq = gl.arange(0, N, layout=gl.SliceLayout(1, QLD))
-    cq_q = (cq // (4 * H)) * 4 + (cq // 2) % 4
-    cq_h = ((cq // 8) % (H // 2)) * 2 + cq % 2
-    d = gl.arange(0, DP, layout=gl.SliceLayout(0, QLD))
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, N, DP], k_desc.layout)
-    for g in gl.static_range(2):
-        r_q = blk * PR + g * BQ + cq_q
-        q_rows = q_ptr + b * s_qb + (I0 + r_q).to(gl.int64) * s_qs + cq_h * s_qh
-        ok = (r_q < R) & ((cq * 0 + n) > 0)
-        q_smem.index(g).store(gl.load(q_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0))
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, DP], k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)  # ready: the copy's bytes arrived
         mbarrier.init(bars.index(STAGES + s), count=2)  # free: both selection warpgroups are done
-    fence_async_shared()  # the queries' stores and the barriers, before the async proxy reads them
+    fence_async_shared()  # the barriers, before the async proxy uses them
 
     gl.warp_specialize(
         [
-            (_select_partition, (0, q_smem, k_smem, bars, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr,
+            (_select_partition, (0, q_ptr, s_qb, s_qs, s_qh, q_smem, k_smem, bars, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr,
                                  dbg_ptr, b, blk, S, T, I0, R, SEG0, n, n_local, first, last,
                                  s_wb, s_ws, s_wh, s_sb, s_ss, H, BQ, SC, RELU, CHECK_NAN, SCORE_ONLY)),
-            (_select_partition, (1, q_smem, k_smem, bars, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr,
+            (_select_partition, (1, q_ptr, s_qb, s_qs, s_qh, q_smem, k_smem, bars, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr,
                                  dbg_ptr, b, blk, S, T, I0, R, SEG0, n, n_local, first, last,
                                  s_wb, s_ws, s_wh, s_sb, s_ss, H, BQ, SC, RELU, CHECK_NAN, SCORE_ONLY)),
             (_load_partition, (k_desc, k_smem, bars, b, T, SEG0, n, n_local, first, last)),

@@ -37,12 +37,10 @@ def sm90_build(request):
     )
 
 
-def test_fits_one_sm_without_spills_in_the_loop(sm90_build):
+def test_fits_one_sm_without_spills(sm90_build):
     assert sm90_build["shared"] <= SM90_SHARED_BYTES
     usage = sm90_build["usage"]
-    # ptxas keeps a few bytes of the selection warpgroups' setup on the stack (outside the tile
-    # loop, seen in the SASS); more than that would be spills of the loop's registers
-    assert "LOCAL:0" in usage and int(re.search(r"STACK:(\d+)", usage).group(1)) <= 16, usage
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage  # no spills to local memory
 
 
 def test_warpgroups_are_specialised(sm90_build):
