@@ -5,7 +5,8 @@ tie rule (``reference.score_sort_keys``): ``mono(score) << 32 | (2**32 - 1 - ind
 is an order-preserving int32 image of the fp32 score (-0.0 -> +0.0, NaN just above the masked
 sentinel). Keys are unique, so "the K largest keys" is one exact set.
 
-``_hytopk_scan_kernel``: a program owns BQ query rows and all their heads (matmul N = BQ * H, keys
+``_hytopk_scan_kernel`` (on sm_90 from 64K keys per sequence, ``hytopk_scan_gluon`` takes its place
+with the same contract): a program owns BQ query rows and all their heads (matmul N = BQ * H, keys
 on M as in DeepGEMM's mqa logits, so the head sum runs in each thread's accumulator registers). It
 walks a segment of SEG tiles of its rows' key window: dot -> ReLU -> * w -> sum over heads -> causal
 mask -> keys, all in registers. Each row keeps a threshold key ``tau`` that only rises and appends
