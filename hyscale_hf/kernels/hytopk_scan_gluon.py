@@ -32,29 +32,14 @@ from __future__ import annotations
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-# TMA global -> shared copy: ``async_load`` in newer Triton, ``async_copy_global_to_shared`` before;
-# a partition's own barrier: ``barrier`` in newer Triton, ``thread_barrier`` before
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_HAS_THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
+from ._gluon_hopper import sync_partition as _sync_partition
+from ._gluon_hopper import tma_load as _tma_load
 
 _I32_MIN = gl.constexpr(-(2**31))
 _I32_MAX = gl.constexpr(2**31 - 1)
 _NAN_MONO = gl.constexpr(-(2**31) + 1)  # as in hytopk_triton
-
-
-@gluon.jit
-def _sync_partition():
-    if _HAS_THREAD_BARRIER:
-        gl.thread_barrier()
-    else:
-        gl.barrier()
 
 
 @gluon.jit

@@ -38,11 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# Names that changed across Triton releases: cp.async global -> shared is ``async_load`` in newer
-# Triton, ``async_copy_global_to_shared`` before; a partition's own barrier is ``barrier`` in newer
-# Triton, ``thread_barrier`` before.
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_HAS_THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
+from ._gluon_hopper import cp_async as _cp_async
+from ._gluon_hopper import sync_partition as _sync_partition
 
 HEADS = gl.constexpr(64)  # heads per program: the matmul M side
 BLOCK = gl.constexpr(64)  # keys per block
@@ -56,15 +53,6 @@ _P_READY = gl.constexpr(2)
 _P_FREE = gl.constexpr(3)  # both P V warpgroups arrive
 _FINAL = gl.constexpr(4)
 _N_BARRIERS = gl.constexpr(5)
-
-
-@gluon.jit
-def _sync_partition():
-    """Barrier over this partition's warps (its shared-memory writes are done before it signals)."""
-    if _HAS_THREAD_BARRIER:
-        gl.thread_barrier()
-    else:
-        gl.barrier()
 
 
 @gluon.jit

@@ -10,6 +10,7 @@ library functions).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -59,3 +60,18 @@ def build_sm90(spec: dict) -> dict:
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, run.stderr[-3000:]
     return json.loads(line[len("RESULT ") :])
+
+
+def assert_fits_one_sm_without_spills(build: dict) -> None:
+    assert build["shared"] <= SM90_SHARED_BYTES
+    usage = build["usage"]
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage  # no spills to local memory
+
+
+def assert_warp_specialised(build: dict, *instructions: str) -> None:
+    """Warpgroups with their own register budgets (setmaxnreg) that hand work over through
+    mbarriers, and the PTX instructions (regular expressions) a kernel's job needs."""
+    ptx = build["ptx"]
+    assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx
+    for pattern in instructions:
+        assert re.search(pattern, ptx), pattern

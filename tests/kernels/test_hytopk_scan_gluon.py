@@ -6,11 +6,10 @@ and how the kernel is built here.
 """
 
 import importlib
-import re
 
 import pytest
 
-from tests.kernels._sm90_build import SM90_SHARED_BYTES, build_sm90
+from tests.kernels._sm90_build import assert_fits_one_sm_without_spills, assert_warp_specialised, build_sm90
 
 hk = importlib.import_module("hyscale_hf.kernels.hytopk")
 pytestmark = pytest.mark.skipif(hk._gluon_scan is None, reason="needs Triton with Gluon's Hopper ops")
@@ -38,16 +37,9 @@ def sm90_build(request):
 
 
 def test_fits_one_sm_without_spills(sm90_build):
-    assert sm90_build["shared"] <= SM90_SHARED_BYTES
-    usage = sm90_build["usage"]
-    assert "LOCAL:0" in usage and "STACK:0" in usage, usage  # no spills to local memory
+    assert_fits_one_sm_without_spills(sm90_build)
 
 
 def test_warpgroups_are_specialised(sm90_build):
-    # warpgroups with their own register budgets (setmaxnreg), mbarrier hand-offs, TMA key tiles,
-    # and an m64n256 product per selection warpgroup
-    ptx = sm90_build["ptx"]
-    assert "setmaxnreg" in ptx
-    assert "mbarrier.try_wait" in ptx
-    assert "cp.async.bulk.tensor" in ptx
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)
+    # the load warp copies key tiles with TMA; each selection warpgroup runs an m64n256 product
+    assert_warp_specialised(sm90_build, r"cp\.async\.bulk\.tensor", r"wgmma\.mma_async\.sync\.aligned\.m64n256k16")
