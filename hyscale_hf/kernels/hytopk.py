@@ -109,6 +109,8 @@ class HyTopKConfig:
             raise ValueError(f"HyTopKConfig.select_bits must be in [3, 8], got {self.select_bits}")
         if self.lanes < 1:
             raise ValueError(f"HyTopKConfig.lanes must be >= 1, got {self.lanes}")
+        if self.gluon_stages < 1:
+            raise ValueError(f"HyTopKConfig.gluon_stages must be >= 1, got {self.gluon_stages}")
 
 
 def _interpreting(device: torch.device) -> bool:

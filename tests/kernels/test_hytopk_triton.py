@@ -88,6 +88,11 @@ def test_zero_lanes_is_rejected():
         mod.HyTopKConfig(BQ=2, BN=16, lanes=0)
 
 
+def test_zero_gluon_stages_is_rejected():
+    with pytest.raises(ValueError, match="gluon_stages"):
+        mod.HyTopKConfig(BQ=2, BN=16, gluon_stages=0)
+
+
 @pytest.mark.parametrize(
     "dtype,H,D",
     [(torch.float16, 16, 16), (torch.float32, 3, 24), (torch.bfloat16, 64, 16), (torch.bfloat16, 8, 64)],
