@@ -490,10 +490,12 @@ def hytopk(
             selection's index bitmaps (at most ``FINALIZE_SCRATCH_BYTES``, 128 MiB). It computes in
             fp32 from bf16/fp16/fp32 inputs (fp32 dot products in IEEE mode) and is deterministic;
             fp64 inputs and ``min(topk, T) > 4096`` take the torch path (same exact contract).
-            Inputs longer than one chunk of the scratch alternate their query chunks between the
-            current CUDA stream and a side stream, which waits for the current stream first and is
-            joined back into it before the call returns (``HyTopKConfig.lanes``; neither step
-            waits on the host). ``hytopk_stats()`` counts the rows whose candidate buffer was refined.
+            On sm_90 (Hopper) with 32 or 64 heads and at least 64K keys per sequence, the scoring
+            pass runs a warp-specialised Gluon kernel (same contract). Inputs longer than one
+            chunk of the scratch alternate their query chunks between the current CUDA stream and
+            a side stream, which waits for the current stream first and is joined back into it
+            before the call returns (``HyTopKConfig.lanes``; neither step waits on the host).
+            ``hytopk_stats()`` counts the rows whose candidate buffer was refined.
 
     Returns:
         ``indices`` int32 ``[B, S, topk]``: selected key indices sorted ascending, ``-1`` padded;
