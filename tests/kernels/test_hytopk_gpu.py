@@ -1,4 +1,5 @@
-"""HyTopK Triton kernel on a GPU at real sizes (H = 32, D = 128, topk = 2048, T up to 16K).
+"""HyTopK's GPU kernels (Triton, and the Gluon scan on sm_90) at real sizes (H = 32, D = 128,
+topk = 2048, T up to 16K).
 
 Exactness: integer-valued inputs (q, k small integers, w multiples of 1/8) make every product and
 partial sum exact in fp32, so the kernel's summation order cannot matter and the result must equal
@@ -29,7 +30,7 @@ def ref_topk(q, k, w, topk, **kw):
 @pytest.fixture(params=["default", "gluon"], ids=["default-scan", "gluon-scan"])
 def scan(request, monkeypatch):
     """Runs a test with the scan ``hytopk`` picks at its size, and with the Gluon scan (sm_90) forced
-    at every size (it runs from 64K keys per sequence by default); without it both are the same."""
+    at every size (it runs from 64K keys per sequence by default; skipped where it cannot run)."""
     if request.param == "gluon":
         if mod._gluon_scan is None or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the Gluon scan is sm_90 only")
