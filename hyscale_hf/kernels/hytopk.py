@@ -316,10 +316,11 @@ def _hytopk_triton(
         cfg.tma and not interp and TensorDescriptor is not None and DP <= 256
         and k.data_ptr() % 16 == 0 and (D * k.element_size()) % 16 == 0
     )  # fmt: skip
-    k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, BN, DP]) if use_tma else k
     if use_gluon:  # the keys as [B * T, D] rows, a [BN, D] box per tile
         layout = _gl.NVMMASharedLayout.get_default_for([BN, D], _gl.bfloat16 if k.dtype == torch.bfloat16 else _gl.float16)
         k_desc = _GluonTensorDescriptor.from_tensor(k.view(B * T, D), [BN, D], layout)
+    else:
+        k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, BN, DP]) if use_tma else k
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not interp:
         launch["maxnreg"] = cfg.maxnreg
