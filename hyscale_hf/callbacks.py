@@ -143,6 +143,7 @@ class HyScaleCallback(TrainerCallback):
         for name, param in self._params.items():
             param.requires_grad_(name in trainable)
         self._state.config.dense_warmup = stage != SPARSE
+        self._state.base_frozen = stage == DENSE_WARMUP  # forwards then skip the frozen base's graph
         self.stage = stage
 
     # ------------------------------------------------------------------ Trainer events
@@ -239,5 +240,6 @@ class HyScaleCallback(TrainerCallback):
         ended in (``config.dense_warmup`` is still True if it ended before the sparse stage)."""
         self._stop_probe()
         if self._state is not None:
+            self._state.base_frozen = False
             for name, param in self._params.items():
                 param.requires_grad_(name in self._trainable)

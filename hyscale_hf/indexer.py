@@ -13,6 +13,8 @@ LM loss never reaches the indexer (top-k indices carry no gradient).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -38,17 +40,75 @@ class _AttachLoss(torch.autograd.Function):
 
 
 def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchState) -> torch.Tensor:
-    """Return ``hidden`` unchanged, with ``state.config.indexer_loss_coef * loss`` joined to its graph.
+    """Return ``hidden`` unchanged, with ``state.config.indexer_loss_coef * loss`` joined to the graph.
 
     Records the detached loss in ``state`` for logging (not during checkpoint recompute, which
     would count it twice). A loss that needs no gradient is only recorded.
+
+    Where the gradient is joined depends on ``hidden``: if it requires grad (the base model trains),
+    the loss rides on it, so any loss computed from the model's output reaches it. If it does not
+    (the dense warm-up, where everything but the indexer is frozen), joining it there would make
+    every later layer build a graph and run a backward for nothing but carrying the indexer's
+    gradient; the loss waits in ``state.pending_losses`` instead and ``sink_pending_losses`` joins
+    it to the model's output at the end of its forward.
     """
     if not in_backward():
         state.record_indexer_loss(loss)
     coef = float(state.config.indexer_loss_coef)
     if coef == 0.0 or not loss.requires_grad or not torch.is_grad_enabled():
         return hidden
+    if not hidden.requires_grad:
+        if not in_backward():  # a recompute's loss is never backpropagated: the forward's is
+            state.pending_losses.append(loss)
+        return hidden
     return _AttachLoss.apply(hidden, loss, coef)
+
+
+def before_forward(state: PatchState, model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a patched model: forget the pending losses of an earlier forward that never
+    reached an output, and while ``state.base_frozen`` is set feed the model detached input embeddings.
+
+    Only the indexer trains then, on inputs it detaches itself, so the base needs no autograd graph.
+    It would build one anyway wherever its input embeddings require grad: Transformers' gradient
+    checkpointing marks them so (``enable_input_require_grads``, for adapters), and the LM loss's
+    backward then runs through every frozen layer for nothing. Embedding the ids here, detached, is
+    the same computation without that graph.
+    """
+    state.pending_losses.clear()
+    if not (state.base_frozen and torch.is_grad_enabled() and kwargs.get("inputs_embeds") is None):
+        return None
+    if "inputs_embeds" not in inspect.signature(model.forward).parameters or not hasattr(model, "get_input_embeddings"):
+        return None  # not a Transformers-style model: it runs as called (correct, only slower)
+    positional = "input_ids" not in kwargs and len(args) > 0
+    ids = args[0] if positional else kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        return None
+    with torch.no_grad():  # detached too: the Transformers hook marks even a no-grad output as requiring grad
+        embeds = model.get_input_embeddings()(ids).detach()
+    return (args[1:] if positional else args), {**kwargs, "input_ids": None, "inputs_embeds": embeds}
+
+
+def sink_pending_losses(state: PatchState, output):
+    """Join the losses waiting in ``state.pending_losses`` to a model output (forward hook).
+
+    The output's ``loss`` carries them when there is one, else its ``logits`` (a loss computed
+    from either then backpropagates into the indexer). Values are unchanged. Raises
+    ``RuntimeError`` when the output holds neither: the indexer would silently not train.
+    """
+    if not state.pending_losses:
+        return output
+    total = torch.stack([x.float() for x in state.pending_losses]).sum()
+    state.pending_losses.clear()
+    for key in ("loss", "logits"):
+        value = output.get(key) if hasattr(output, "get") else None
+        if isinstance(value, torch.Tensor):
+            # A copy, not the Function's view of its input: callers modify a returned loss in place.
+            output[key] = _AttachLoss.apply(value, total, float(state.config.indexer_loss_coef)).clone()
+            return output
+    raise RuntimeError(
+        "hyscale_hf: the indexer loss of this forward has no output to ride on (the base model is frozen and "
+        f"the {type(output).__name__} output has neither loss nor logits); call the patched model itself"
+    )
 
 
 # ----------------------------------------------------------------------------- lightning indexer

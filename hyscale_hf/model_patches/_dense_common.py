@@ -41,7 +41,7 @@ from transformers.modeling_utils import AttentionInterface
 from ..indexer import LightningIndexer, attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
-from ..patching import PatchState
+from ..patching import LiveRecord, PatchState, saved_record, set_record
 from ..training import observe_selection
 from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._dense_cache import indexer_cache_layer
@@ -50,7 +50,26 @@ from ._dense_weights import RECORD_ATTR, load_saved_indexers
 from ._lean_layers import apply_lean_layers
 
 ATTN_IMPL = "hyscale_dense"
-DENSE_DEFAULTS = {"topk": 2048, "index_n_heads": 32, "index_head_dim": 128}
+DEFAULT_TOPK = 2048
+# Floors of the indexer shape: the Triton HyTopK kernels take at least 2 heads of at least 16 dims.
+_MIN_INDEXER_HEADS, _MIN_INDEXER_DIM, _MAX_INDEXER_DIM = 2, 16, 128
+
+
+def default_indexer_shape(num_heads: int, head_dim: int) -> tuple[int, int]:
+    """``(index_n_heads, index_head_dim)`` of the indexer added to a dense model, from its attention.
+
+    Per query-key pair the indexer costs ``2 * H_I * D_I`` FLOPs and the dense attention it replaces
+    about ``4 * H * Dh`` forward and 2.5x that in backward, so an indexer with
+    ``H_I * D_I <= H * Dh / 4`` costs at most an eighth of the attention's forward. The head dim is the largest
+    power of two <= min(128, budget / 2) (at least 16), the heads fill the rest of the budget (at
+    least 2). SmolLM2-135M (9 x 64 -> 144) gets 2 x 64; Llama-3-8B (32 x 128 -> 1024) 8 x 128.
+    On very small models the floors can exceed the budget.
+    """
+    budget = max(1, num_heads * head_dim // 4)
+    dim = _MIN_INDEXER_DIM
+    while dim * 2 <= min(_MAX_INDEXER_DIM, budget // 2):
+        dim *= 2
+    return max(_MIN_INDEXER_HEADS, budget // dim), dim
 _CALL_KWARG = "_hyscale_call"
 
 
@@ -192,16 +211,25 @@ def _rotary_dim(model: nn.Module) -> int:
     raise ValueError(f"no rotary embedding module (with inv_freq) found in {type(model).__name__}")
 
 
+def _attention_shape(model_config) -> tuple[int, int]:
+    heads = int(model_config.num_attention_heads)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return heads, int(head_dim)
+
+
 def _resolve_settings(model_config, state: PatchState, rotary_dim: int) -> dict:
-    """Indexer settings: explicit HyScaleConfig > saved record > model config index_* > dense defaults."""
+    """Indexer settings: explicit HyScaleConfig > saved record > model config index_* > the defaults
+    (``DEFAULT_TOPK``, ``default_indexer_shape``)."""
     cfg = state.config
-    record = getattr(model_config, RECORD_ATTR, None)
+    record = saved_record(model_config, RECORD_ATTR)
     if record is not None and not isinstance(record, dict):
         raise ValueError(f"model.config.{RECORD_ATTR} must be a dict written by hyscale_hf, got {type(record).__name__}")
     record = record or {}
+    heads, dim = default_indexer_shape(*_attention_shape(model_config))
+    defaults = {"topk": DEFAULT_TOPK, "index_n_heads": heads, "index_head_dim": dim}
     out = {}
     model_keys = {"topk": "index_topk", "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim"}
-    for name, default in DENSE_DEFAULTS.items():
+    for name, default in defaults.items():
         explicit = getattr(cfg, name)
         if explicit is not None and name != "topk" and name in record and record[name] != explicit:
             raise ValueError(
@@ -221,10 +249,6 @@ def _resolve_settings(model_config, state: PatchState, rotary_dim: int) -> dict:
     return out
 
 
-class _Absent:
-    """Marks an attribute that did not exist before patching (a class: deepcopy keeps its identity)."""
-
-
 class _DenseUndo:
     """Restores a patched model exactly. A callable object rather than a closure, so that it is
     deep-copied along with the model and then restores the copy."""
@@ -234,8 +258,7 @@ class _DenseUndo:
         self.attns = attns
         self.forwards: list[tuple[nn.Module, Any]] = []  # (module, previous instance forward or None)
         self.impls: list[tuple[Any, Any]] = []  # (config, previous _attn_implementation)
-        self.record: Any = _Absent  # previous RECORD_ATTR value (_Absent if there was none)
-        self.record_set = False
+        self.record: Callable[[], None] | None = None  # undo of the indexer record in the config
         self.lean: Callable[[], None] | None = None  # undo of the lean norm / MLP forwards
         self.lm_loss: Callable[[], None] | None = None  # undo of the chunked LM loss forward
 
@@ -245,12 +268,9 @@ class _DenseUndo:
             if step is not None:
                 step()
                 setattr(self, name, None)
-        if self.record_set:
-            if self.record is _Absent:
-                self.config.__dict__.pop(RECORD_ATTR, None)
-            else:
-                setattr(self.config, RECORD_ATTR, self.record)
-            self.record_set = False
+        if self.record is not None:
+            self.record()
+            self.record = None
         for config, old in reversed(self.impls):
             config._attn_implementation = old
         self.impls.clear()
@@ -278,7 +298,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
         for name, m in attns:
             if hasattr(m, "indexer"):
                 raise ValueError(f"{name} already has an attribute 'indexer'; cannot add the hyscale_hf indexer")
-        loaded_record = config.__dict__.get(RECORD_ATTR)
+        loaded_record = saved_record(config, RECORD_ATTR)
         settings = _resolve_settings(config, state, _rotary_dim(model))
         configs = {id(c): c for c in [config] + [m.config for _, m in attns]}.values()
         undo = _DenseUndo(config, [m for _, m in attns])
@@ -298,9 +318,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
             for c in configs:
                 undo.impls.append((c, c._attn_implementation))
                 c._attn_implementation = ATTN_IMPL
-            undo.record = config.__dict__.get(RECORD_ATTR, _Absent)
-            undo.record_set = True
-            setattr(config, RECORD_ATTR, {"kind": "dense", **settings})
+            undo.record = set_record(config, RECORD_ATTR, LiveRecord({"kind": "dense", **settings}))
             if loaded_record is not None:
                 load_saved_indexers(model, {name: m.indexer for name, m in attns})
             undo.lean = apply_lean_layers(model, state)

@@ -266,12 +266,27 @@ def test_mask_with_holes_is_refused():
 
 def test_resolved_settings_are_written_back():
     model = tiny_model("llama")
-    patch_model(model)  # dense defaults
+    patch_model(model)  # dense defaults: the indexer is sized from the attention (floors: 2 heads x 16)
     cfg = patch_state(model).config
-    assert (cfg.topk, cfg.index_n_heads, cfg.index_head_dim, cfg.relu) == (2048, 32, 128, True)
+    assert (cfg.topk, cfg.index_n_heads, cfg.index_head_dim, cfg.relu) == (2048, 2, 16, True)
     indexer = model.model.layers[0].self_attn.indexer
-    assert (indexer.n_heads, indexer.head_dim, indexer.rope_dim) == (32, 128, 8)  # rope capped by head_dim 8
+    assert (indexer.n_heads, indexer.head_dim, indexer.rope_dim) == (2, 16, 8)  # rope capped by head_dim 8
     assert model.config.hyscale_indexer["rope_dim"] == 8
+
+
+@pytest.mark.parametrize("heads, head_dim, expected", [
+    (9, 64, (2, 64)),  # SmolLM2-135M: budget 144
+    (32, 128, (8, 128)),  # Llama-3-8B: budget 1024
+    (14, 64, (3, 64)),  # Qwen2-0.5B: budget 224
+    (4, 8, (2, 16)),  # tiny: the floors (2 heads of 16) exceed the budget of 8
+])
+def test_default_indexer_costs_at_most_a_quarter_of_the_attention_per_pair(heads, head_dim, expected):
+    from hyscale_hf.model_patches._dense_common import default_indexer_shape
+
+    shape = default_indexer_shape(heads, head_dim)
+    assert shape == expected
+    if heads * head_dim >= 4 * 2 * 16:  # above the floors the rule holds
+        assert shape[0] * shape[1] <= heads * head_dim / 4
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
