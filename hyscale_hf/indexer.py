@@ -16,12 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .patching import PatchState
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass: checkpoint recomputation happens there."""
-    return torch._C._current_graph_task_id() != -1
+from .state import PatchState, in_backward
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -1,106 +1,45 @@
-"""patch_model / unpatch_model and the registry of model families.
+"""patch_model / unpatch_model: the front door between a user's model and the model families.
 
 Families live in ``hyscale_hf/model_patches`` (one file each, the only code that knows
-Transformers internals) and register themselves here with ``register_family``. An apply function
-patches one model *instance* in place and returns an undo function that restores it exactly.
+Transformers internals) and register themselves in ``hyscale_hf.families`` when that package is
+imported. An apply function patches one model *instance* in place and returns an undo function
+that restores it exactly.
+
+Import rule (docs/design.md section 3): this module never imports ``model_patches`` at module
+level, so ``import hyscale_hf.patching`` stays free of Transformers. The functions that need the
+families (``patch_model``, ``supported_model_types``, ``family_of``) import it on first use.
+That is not a cycle: ``model_patches`` registers through ``hyscale_hf.families`` and reads patch
+state through ``hyscale_hf.state``, and neither of those (nor anything else ``model_patches``
+imports) imports this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 
 from .config import HyScaleConfig
-
-ApplyFn = Callable[[torch.nn.Module, "PatchState"], Callable[[], None]]
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """A registered family: ``kind`` is "dsa" (native sparse attention) or "dense" (indexer added)."""
-
-    model_type: str
-    apply: ApplyFn
-    kind: str
+from .families import _FAMILIES, ModelFamily
+from .state import STATE_ATTR, PatchState, base_model, patch_state
 
 
-@dataclass
-class PatchState:
-    """What ``patch_model`` leaves on a model, shared with its patched modules.
-
-    ``config`` is live: the Trainer callback flips ``config.dense_warmup`` and patched modules
-    read it on every forward. ``indexer_losses`` collects each full indexer layer's detached loss
-    since the last ``pop_indexer_loss`` (for logging). ``selection_probe`` is set only while
-    ``hyscale_hf.training`` samples top-k recall; patched modules report to it through
-    ``hyscale_hf.training.observe_selection`` (a no-op while it is None).
-    """
-
-    config: HyScaleConfig
-    family: ModelFamily
-    undo: list[Callable[[], None]] = field(default_factory=list)
-    indexer_losses: list[torch.Tensor] = field(default_factory=list)
-    selection_probe: Callable[..., None] | None = None
-
-    def record_indexer_loss(self, loss: torch.Tensor) -> None:
-        self.indexer_losses.append(loss.detach())
-
-    def pop_indexer_loss(self) -> float | None:
-        """Mean of the recorded per-layer indexer losses since the last call (None if none)."""
-        if not self.indexer_losses:
-            return None
-        value = torch.stack([x.float().cpu() for x in self.indexer_losses]).mean().item()
-        self.indexer_losses.clear()
-        return value
-
-
-_FAMILIES: dict[str, ModelFamily] = {}
-_STATE_ATTR = "_hyscale_state"
-
-
-def register_family(model_type: str, apply: ApplyFn, kind: str) -> None:
-    """Register ``apply`` for models whose ``config.model_type`` is ``model_type``.
-
-    ``apply(model, state)`` patches one model instance in place (``state.config`` holds the options;
-    keep ``state`` on the patched modules if they need the live config or loss log) and returns an
-    undo function that restores the instance exactly.
-    """
-    if kind not in ("dsa", "dense"):
-        raise ValueError(f"kind must be 'dsa' or 'dense', got {kind!r}")
-    if model_type in _FAMILIES:
-        raise ValueError(f"model type {model_type!r} is already registered")
-    _FAMILIES[model_type] = ModelFamily(model_type, apply, kind)
+def _load_families() -> None:
+    """Import ``hyscale_hf.model_patches``, whose family modules register themselves (once per process)."""
+    from . import model_patches  # noqa: F401
 
 
 def supported_model_types() -> list[str]:
     """``config.model_type`` values ``patch_model`` accepts with the installed Transformers."""
+    _load_families()
     return sorted(_FAMILIES)
 
 
 def family_of(model_type: str) -> ModelFamily:
+    _load_families()
     if model_type not in _FAMILIES:
         raise ValueError(
             f"hyscale_hf does not support model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
         )
     return _FAMILIES[model_type]
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Transformers model under a PEFT wrapper (or ``model`` itself)."""
-    seen = set()
-    while hasattr(model, "get_base_model") and id(model) not in seen:
-        seen.add(id(model))
-        inner = model.get_base_model()
-        if inner is model:
-            break
-        model = inner
-    return model
-
-
-def patch_state(model: torch.nn.Module) -> PatchState | None:
-    """The ``PatchState`` of a patched model (PEFT wrappers looked through), else None."""
-    return getattr(base_model(model), _STATE_ATTR, None)
 
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -127,9 +66,10 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
     state = PatchState(config=cfg, family=family)
     undo = family.apply(target, state)
     state.undo.append(undo)
-    setattr(target, _STATE_ATTR, state)
+    setattr(target, STATE_ATTR, state)
     if cfg.selection_replay:
-        from .replay import enable_selection_replay  # replay imports this module
+        # Transformers' checkpointing hooks are glue, so they live with the families (loaded above).
+        from .model_patches._checkpointing import enable_selection_replay
 
         try:
             enable_selection_replay(target)
@@ -137,14 +77,6 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
             unpatch_model(target)
             raise
     return model
-
-
-def add_undo(model: torch.nn.Module, undo: Callable[[], None]) -> None:
-    """Run ``undo`` when ``model`` is unpatched (after the family's own undo; last added runs first)."""
-    state = patch_state(model)
-    if state is None:
-        raise ValueError("model is not patched by hyscale_hf")
-    state.undo.append(undo)
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,5 +87,5 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError("model is not patched by hyscale_hf")
     for undo in reversed(state.undo):
         undo()
-    delattr(target, _STATE_ATTR)
+    delattr(target, STATE_ATTR)
     return model

@@ -19,8 +19,8 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from hyscale_hf import hytopk, indexer_kl_loss, sparse_attention
+from hyscale_hf.families import _FAMILIES, register_family
 from hyscale_hf.indexer import attach_indexer_loss
-from hyscale_hf.patching import _FAMILIES, register_family
 from hyscale_hf.training import observe_selection
 
 MODEL_TYPE = "hyscale_toy_dsa"

@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaModel
 
 from hyscale_hf import is_patched, patch_model, unpatch_model
 from hyscale_hf.model_patches._dense_common import ATTN_IMPL
-from hyscale_hf.patching import patch_state
+from hyscale_hf.state import patch_state
 
 from ._dense_tiny import FAMILIES, INDEXER, PAD, VARIANTS, tiny_model, tokens
 
