@@ -64,7 +64,7 @@ class LightningIndexer(nn.Module):
     ``I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s])`` with, from the layer's hidden states ``x``:
     ``q = wq(x)`` (``H`` heads of dim ``D``), one key ``k = LayerNorm(wk(x))`` of dim ``D`` shared by
     the heads, and ``w = weights_proj(x) * H^-0.5 * D^-0.5`` in fp32 (both positive scales folded
-    into ``w``, DESIGN section 2). RoPE rotates the first ``rope_dim`` dims of ``q`` and ``k`` with
+    into ``w``, docs/design.md section 2). RoPE rotates the first ``rope_dim`` dims of ``q`` and ``k`` with
     the model's own rotary tables and layout (``apply_rotary``: the family's
     ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``); ``rope_dim`` smaller than the model's
     rotary dim keeps an evenly spaced subset of its frequencies.

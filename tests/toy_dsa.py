@@ -1,4 +1,5 @@
-"""A tiny DSA-style causal LM that follows PATCH_CONTRACT.md, registered as family ``hyscale_toy_dsa``.
+"""A tiny DSA-style causal LM patched through the family contract of ``hyscale_hf.families.register_family``,
+registered as family ``hyscale_toy_dsa``.
 
 It lets the training pieces (callback, recall metric, PEFT helper) be tested on a model whose
 patched attention is a few readable lines, independently of the real model families: GQA attention

@@ -1,6 +1,6 @@
 """HyTopK: score every visible key with the lightning indexer and keep each query's exact top-k.
 
-Layout (DESIGN section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long; the
+Layout (docs/design.md section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long; the
 algorithm is described there), the warp-specialised scan that replaces the Triton scan on sm_90 for
 long inputs in ``hytopk_scan_gluon.py``; here are the host launch, the custom op and the public
 function.

@@ -1,6 +1,6 @@
 """Dense families (llama, qwen2, qwen3, mistral, glm4) patched with a lightning indexer.
 
-The oracle (DESIGN section 9): with topk >= sequence length every selection keeps all visible keys,
+The oracle (docs/design.md section 9): with topk >= sequence length every selection keeps all visible keys,
 so the patched model must match the unpatched one. With a small topk, selections matter, and the
 tests check what must still hold exactly: decode/chunked prefill over the cache equal a full forward,
 packed and padded rows equal the same sequences run alone, a save/load round trip reproduces outputs.
