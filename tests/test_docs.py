@@ -57,3 +57,11 @@ def test_no_citation_of_a_design_document_outside_the_repo():
     stale = [f"{p.relative_to(ROOT)}" for p in SOURCES if p != Path(__file__).resolve()
              and re.search(r"\bDESIGN\b", p.read_text(errors="replace"))]
     assert not stale, f"'DESIGN' names no document in the repository (cite docs/design.md): {stale}"
+
+
+def test_every_result_file_the_benchmark_docs_cite_exists():
+    cited = set()
+    for doc in ("BENCHMARKS.md", "benchmarks/notes.md"):
+        cited |= set(re.findall(r"benchmarks/results/[\w./-]+\.(?:json|png|log)", (ROOT / doc).read_text()))
+    assert cited, "the benchmark docs cite no result file"
+    assert not [c for c in cited if not (ROOT / c).is_file()]
