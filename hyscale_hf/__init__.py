@@ -1,48 +1,49 @@
-"""hyscale_hf: exact, memory-light DSA sparse attention training for Hugging Face Transformers."""
+"""hyscale_hf: exact, memory-light DSA sparse attention training for Hugging Face Transformers.
 
-from . import model_patches  # noqa: F401  (registers the model families)
-from .callbacks import HyScaleCallback
-from .config import HyScaleConfig
-from .kernels import hytopk, indexer_kl_loss, sparse_attention
-from .patching import is_patched, patch_model, supported_model_types, unpatch_model
-from .replay import (
-    SelectionReplayMismatch,
-    enable_selection_replay,
-    replay_context_fn,
-    reset_selection_stats,
-    selection_stats,
-    wrap_layers_for_replay,
-)
-from .training import (
-    indexer_modules_to_save,
-    indexer_parameter_names,
-    measure_topk_recall,
-    patched_config,
-    sample_topk_recall,
-)
+The public names load on first access (PEP 562 ``__getattr__``), so ``import hyscale_hf`` and
+``import hyscale_hf.kernels`` import neither Transformers nor the model families: the ops need only
+torch and triton. The families register when ``hyscale_hf.model_patches`` is first imported, which
+``patch_model`` and ``supported_model_types`` do on first use (docs/design.md section 3).
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "HyScaleConfig",
-    "hytopk",
-    "sparse_attention",
-    "indexer_kl_loss",
-    "patch_model",
-    "unpatch_model",
-    "is_patched",
-    "supported_model_types",
-    "enable_selection_replay",
-    "wrap_layers_for_replay",
-    "replay_context_fn",
-    "selection_stats",
-    "reset_selection_stats",
-    "SelectionReplayMismatch",
-    "HyScaleCallback",
-    "indexer_parameter_names",
-    "indexer_modules_to_save",
-    "measure_topk_recall",
-    "sample_topk_recall",
-    "patched_config",
-    "__version__",
-]
+# Public name -> the module that defines it (relative to this package).
+_PUBLIC = {
+    "HyScaleConfig": "config",
+    "hytopk": "kernels",
+    "sparse_attention": "kernels",
+    "indexer_kl_loss": "kernels",
+    "patch_model": "patching",
+    "unpatch_model": "patching",
+    "is_patched": "patching",
+    "supported_model_types": "patching",
+    "enable_selection_replay": "model_patches._checkpointing",
+    "wrap_layers_for_replay": "model_patches._checkpointing",
+    "replay_context_fn": "replay",
+    "selection_stats": "replay",
+    "reset_selection_stats": "replay",
+    "SelectionReplayMismatch": "replay",
+    "HyScaleCallback": "callbacks",
+    "indexer_parameter_names": "training",
+    "indexer_modules_to_save": "training",
+    "measure_topk_recall": "training",
+    "sample_topk_recall": "training",
+    "patched_config": "training",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

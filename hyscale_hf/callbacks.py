@@ -23,8 +23,8 @@ import math
 import torch
 from transformers import TrainerCallback
 
-from .patching import PatchState, patch_state
 from .replay import selection_stats
+from .state import PatchState, patch_state
 from .training import RecallProbe, indexer_parameter_names
 
 DENSE_PRETRAIN, DENSE_WARMUP, SPARSE = 0, 1, 2

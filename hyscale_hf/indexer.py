@@ -18,12 +18,7 @@ import inspect
 import torch
 from torch import nn
 
-from .patching import PatchState
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass: checkpoint recomputation happens there."""
-    return torch._C._current_graph_task_id() != -1
+from .state import PatchState, in_backward
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -111,6 +106,44 @@ def sink_pending_losses(state: PatchState, output):
     )
 
 
+class _LossSinkHooks:
+    """Forward pre-hook and hook of a patched root for ``indexer.before_forward`` / ``sink_pending_losses``
+    (an object holding the state, so that a deep copy of the model hooks the copy's state)."""
+
+    def __init__(self, state: PatchState) -> None:
+        self.state = state
+
+    def before(self, module, args, kwargs):
+        return before_forward(self.state, module, args, kwargs)
+
+    def after(self, module, args, output):
+        return sink_pending_losses(self.state, output)
+
+
+def install_loss_sink(model: torch.nn.Module, state: PatchState):
+    """Hooks on the patched root for ``before_forward`` and ``sink_pending_losses``; returns their undo."""
+    hooks = _LossSinkHooks(state)
+    handles = [model.register_forward_pre_hook(hooks.before, with_kwargs=True), model.register_forward_hook(hooks.after)]
+    return _RemoveHooks(model, handles)
+
+
+class _RemoveHooks:
+    """Removes forward hooks by id. ``RemovableHandle`` holds a weak reference to the original
+    module's hook dict, so after ``copy.deepcopy`` of a patched model it would unhook the original."""
+
+    _DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+
+    def __init__(self, module: torch.nn.Module, handles) -> None:
+        self.module, self.ids = module, [h.id for h in handles]
+
+    def __call__(self) -> None:
+        for name in self._DICTS:
+            hooks = getattr(self.module, name, {})
+            for hook_id in self.ids:
+                hooks.pop(hook_id, None)
+
+
 # ----------------------------------------------------------------------------- lightning indexer
 
 
@@ -129,7 +162,7 @@ class LightningIndexer(nn.Module):
     ``I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s])`` with, from the layer's hidden states ``x``:
     ``q = wq(x)`` (``H`` heads of dim ``D``), one key ``k = LayerNorm(wk(x))`` of dim ``D`` shared by
     the heads, and ``w = weights_proj(x) * H^-0.5 * D^-0.5`` in fp32 (both positive scales folded
-    into ``w``, DESIGN section 2). RoPE rotates the first ``rope_dim`` dims of ``q`` and ``k`` with
+    into ``w``, docs/design.md section 2). RoPE rotates the first ``rope_dim`` dims of ``q`` and ``k`` with
     the model's own rotary tables and layout (``apply_rotary``: the family's
     ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``); ``rope_dim`` smaller than the model's
     rotary dim keeps an evenly spaced subset of its frequencies.

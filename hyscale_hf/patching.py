@@ -1,129 +1,59 @@
-"""patch_model / unpatch_model and the registry of model families.
+"""patch_model / unpatch_model: the front door between a user's model and the model families.
 
 Families live in ``hyscale_hf/model_patches`` (one file each, the only code that knows
-Transformers internals) and register themselves here with ``register_family``. An apply function
-patches one model *instance* in place and returns an undo function that restores it exactly.
+Transformers internals) and register themselves in ``hyscale_hf.families`` when that package is
+imported. An apply function patches one model *instance* in place and returns an undo function
+that restores it exactly.
+
+Import rule (docs/design.md section 3): this module never imports ``model_patches`` at module
+level, so ``import hyscale_hf.patching`` stays free of Transformers. The functions that need the
+families (``patch_model``, ``supported_model_types``, ``family_of``) import it on first use.
+That is not a cycle: ``model_patches`` registers through ``hyscale_hf.families`` and reads patch
+state through ``hyscale_hf.state``, and neither of those (nor anything else ``model_patches``
+imports) imports this module.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from .config import HyScaleConfig
+from .families import _FAMILIES, ModelFamily
+from .indexer import install_loss_sink
+from .records import LiveRecord, saved_record, set_record
+from .state import STATE_ATTR, PatchState, base_model, patch_state
 
-ApplyFn = Callable[[torch.nn.Module, "PatchState"], Callable[[], None]]
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """A registered family: ``kind`` is "dsa" (native sparse attention) or "dense" (indexer added)."""
-
-    model_type: str
-    apply: ApplyFn
-    kind: str
-
-
-@dataclass
-class PatchState:
-    """What ``patch_model`` leaves on a model, shared with its patched modules.
-
-    ``config`` is live: the Trainer callback flips ``config.dense_warmup`` and patched modules
-    read it on every forward. ``indexer_losses`` collects each full indexer layer's detached loss
-    since the last ``pop_indexer_loss`` (for logging); ``pending_losses`` holds the losses of the
-current forward that wait to be joined to its output (``indexer.attach_indexer_loss``).
-``base_frozen`` is set while only the indexer trains (the callback's dense warm-up): forwards then
-build no autograd graph outside the indexer (``indexer.before_forward``). ``selection_probe`` is set only while
-    ``hyscale_hf.training`` samples top-k recall; patched modules report to it through
-    ``hyscale_hf.training.observe_selection`` (a no-op while it is None).
-    """
-
-    config: HyScaleConfig
-    family: ModelFamily
-    undo: list[Callable[[], None]] = field(default_factory=list)
-    indexer_losses: list[torch.Tensor] = field(default_factory=list)
-    pending_losses: list[torch.Tensor] = field(default_factory=list)
-    base_frozen: bool = False
-    selection_probe: Callable[..., None] | None = None
-
-    def record_indexer_loss(self, loss: torch.Tensor) -> None:
-        self.indexer_losses.append(loss.detach())
-
-    def pop_indexer_loss(self) -> float | None:
-        """Mean of the recorded per-layer indexer losses since the last call (None if none)."""
-        if not self.indexer_losses:
-            return None
-        value = torch.stack([x.float().cpu() for x in self.indexer_losses]).mean().item()
-        self.indexer_losses.clear()
-        return value
-
-
-_FAMILIES: dict[str, ModelFamily] = {}
-_STATE_ATTR = "_hyscale_state"
 # The model config attribute that carries the HyScaleConfig into config.json, so that
 # ``from_pretrained(saved)`` + ``patch_model(model)`` patches the reload alike.
 CONFIG_RECORD = "hyscale_config"
 
 
-class LiveRecord(dict):
-    """A record that a live patch wrote into a model config, as opposed to one read from config.json.
-
-    Configs are shared objects (several models built from one config, a config kept by a test,
-    ``copy.deepcopy(config)`` inside ``from_config``): a patch must tell its own records, and other
-    live patches' or their in-memory copies', from a saved checkpoint's, which load back from JSON
-    as plain dicts. With ``snapshot``, the record shows ``snapshot()``'s values whenever it is
-    deep-copied (what ``PretrainedConfig.to_dict`` and so ``save_pretrained`` do), so a save writes the
-    options as they are when saved, not as they were when patched.
-    """
-
-    def __init__(self, values: dict, snapshot: Callable[[], dict] | None = None) -> None:
-        super().__init__(values)
-        self._snapshot = snapshot
-
-    def __deepcopy__(self, memo) -> LiveRecord:
-        return LiveRecord(copy.deepcopy(self._snapshot() if self._snapshot is not None else dict(self), memo))
+def _load_families() -> None:
+    """Import ``hyscale_hf.model_patches``, whose family modules register themselves (once per process)."""
+    from . import model_patches  # noqa: F401
 
 
-def saved_record(model_config, name: str) -> dict | None:
-    """The record ``name`` of ``model_config`` if it was loaded with the config, else None (absent,
-    or written by a live patch of this or another model)."""
-    record = model_config.__dict__.get(name)
-    return None if record is None or isinstance(record, LiveRecord) else record
+def supported_model_types() -> list[str]:
+    """``config.model_type`` values ``patch_model`` accepts with the installed Transformers."""
+    _load_families()
+    return sorted(_FAMILIES)
 
 
-class _Absent:
-    """Marks a config attribute that did not exist (a class: deepcopy keeps its identity)."""
-
-
-class RestoreRecord:
-    """Undo of ``set_record``. A callable object rather than a closure, so that a deep copy of a
-    patched model gets an undo that restores the copy's config."""
-
-    def __init__(self, model_config, name: str) -> None:
-        self.model_config, self.name = model_config, name
-        self.previous = model_config.__dict__.get(name, _Absent)
-
-    def __call__(self) -> None:
-        if self.previous is _Absent:
-            self.model_config.__dict__.pop(self.name, None)
-        else:
-            setattr(self.model_config, self.name, self.previous)
-
-
-def set_record(model_config, name: str, record: LiveRecord) -> RestoreRecord:
-    """Write ``record`` into ``model_config``; returns the undo that restores what was there."""
-    undo = RestoreRecord(model_config, name)
-    setattr(model_config, name, record)
-    return undo
+def family_of(model_type: str) -> ModelFamily:
+    _load_families()
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"hyscale_hf does not support model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
+    return _FAMILIES[model_type]
 
 
 class _ConfigSnapshot:
-    """``dataclasses.asdict`` of a patch's live config (an object, not a lambda: see RestoreRecord)."""
+    """``dataclasses.asdict`` of a patch's live config (an object, not a lambda, so that a deep copy
+    of a patched model snapshots the copy's config)."""
 
     def __init__(self, state: PatchState) -> None:
         self.state = state
@@ -145,50 +75,6 @@ def _config_from_record(model_config) -> HyScaleConfig:
         warnings.warn(f"model.config.{CONFIG_RECORD} has options this hyscale_hf does not know, ignored: {unknown}",
                       stacklevel=3)
     return HyScaleConfig(**{k: v for k, v in record.items() if k in known})
-
-
-def register_family(model_type: str, apply: ApplyFn, kind: str) -> None:
-    """Register ``apply`` for models whose ``config.model_type`` is ``model_type``.
-
-    ``apply(model, state)`` patches one model instance in place (``state.config`` holds the options;
-    keep ``state`` on the patched modules if they need the live config or loss log) and returns an
-    undo function that restores the instance exactly.
-    """
-    if kind not in ("dsa", "dense"):
-        raise ValueError(f"kind must be 'dsa' or 'dense', got {kind!r}")
-    if model_type in _FAMILIES:
-        raise ValueError(f"model type {model_type!r} is already registered")
-    _FAMILIES[model_type] = ModelFamily(model_type, apply, kind)
-
-
-def supported_model_types() -> list[str]:
-    """``config.model_type`` values ``patch_model`` accepts with the installed Transformers."""
-    return sorted(_FAMILIES)
-
-
-def family_of(model_type: str) -> ModelFamily:
-    if model_type not in _FAMILIES:
-        raise ValueError(
-            f"hyscale_hf does not support model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
-        )
-    return _FAMILIES[model_type]
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Transformers model under a PEFT wrapper (or ``model`` itself)."""
-    seen = set()
-    while hasattr(model, "get_base_model") and id(model) not in seen:
-        seen.add(id(model))
-        inner = model.get_base_model()
-        if inner is model:
-            break
-        model = inner
-    return model
-
-
-def patch_state(model: torch.nn.Module) -> PatchState | None:
-    """The ``PatchState`` of a patched model (PEFT wrappers looked through), else None."""
-    return getattr(base_model(model), _STATE_ATTR, None)
 
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -216,11 +102,12 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
     state = PatchState(config=cfg, family=family)
     undo = family.apply(target, state)
     state.undo.append(undo)
-    setattr(target, _STATE_ATTR, state)
+    setattr(target, STATE_ATTR, state)
     state.undo.append(set_record(model_config, CONFIG_RECORD, LiveRecord({}, _ConfigSnapshot(state))))
-    _install_loss_sink(target, state)
+    state.undo.append(install_loss_sink(target, state))
     if cfg.selection_replay:
-        from .replay import enable_selection_replay  # replay imports this module
+        # Transformers' checkpointing hooks are glue, so they live with the families (loaded above).
+        from .model_patches._checkpointing import enable_selection_replay
 
         try:
             enable_selection_replay(target)
@@ -228,57 +115,6 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
             unpatch_model(target)
             raise
     return model
-
-
-class _LossSinkHooks:
-    """Forward pre-hook and hook of a patched root for ``indexer.before_forward`` / ``sink_pending_losses``
-    (an object holding the state, so that a deep copy of the model hooks the copy's state)."""
-
-    def __init__(self, state: PatchState) -> None:
-        self.state = state
-
-    def before(self, module, args, kwargs):
-        from .indexer import before_forward
-
-        return before_forward(self.state, module, args, kwargs)
-
-    def after(self, module, args, output):
-        from .indexer import sink_pending_losses
-
-        return sink_pending_losses(self.state, output)
-
-
-def _install_loss_sink(model: torch.nn.Module, state: PatchState) -> None:
-    """Hooks on the patched root that join a frozen base's indexer losses to its output
-    (``indexer.attach_indexer_loss``): cleared before each forward, joined after it."""
-    hooks = _LossSinkHooks(state)
-    handles = [model.register_forward_pre_hook(hooks.before, with_kwargs=True), model.register_forward_hook(hooks.after)]
-    state.undo.append(_RemoveHooks(model, handles))
-
-
-class _RemoveHooks:
-    """Removes forward hooks by id. ``RemovableHandle`` holds a weak reference to the original
-    module's hook dict, so after ``copy.deepcopy`` of a patched model it would unhook the original."""
-
-    _DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
-
-    def __init__(self, module: torch.nn.Module, handles) -> None:
-        self.module, self.ids = module, [h.id for h in handles]
-
-    def __call__(self) -> None:
-        for name in self._DICTS:
-            hooks = getattr(self.module, name, {})
-            for hook_id in self.ids:
-                hooks.pop(hook_id, None)
-
-
-def add_undo(model: torch.nn.Module, undo: Callable[[], None]) -> None:
-    """Run ``undo`` when ``model`` is unpatched (after the family's own undo; last added runs first)."""
-    state = patch_state(model)
-    if state is None:
-        raise ValueError("model is not patched by hyscale_hf")
-    state.undo.append(undo)
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -289,5 +125,5 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError("model is not patched by hyscale_hf")
     for undo in reversed(state.undo):
         undo()
-    delattr(target, _STATE_ATTR)
+    delattr(target, STATE_ATTR)
     return model

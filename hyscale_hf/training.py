@@ -20,9 +20,8 @@ from contextlib import contextmanager
 import torch
 
 from .config import HyScaleConfig
-from .indexer import in_backward
 from .kernels import reference
-from .patching import PatchState, base_model, patch_state
+from .state import PatchState, base_model, in_backward, patch_state
 
 INDEXER_MODULE_NAME = "indexer"
 

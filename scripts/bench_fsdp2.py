@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import hyscale_hf
+from hyscale_hf.state import patch_state
 
 
 def _bench_replay():
@@ -62,7 +63,7 @@ def run(args) -> dict:
     hyscale_hf.patch_model(model, indexer_loss_coef=args.indexer_loss_coef)
     hyscale_hf.wrap_layers_for_replay(model)
     model.config.use_cache = False
-    state = hyscale_hf.patching.patch_state(model)
+    state = patch_state(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
 

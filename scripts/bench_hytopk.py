@@ -1,4 +1,4 @@
-"""Benchmark HyTopK against the baselines of DESIGN section 10, in one run, on one GPU.
+"""Benchmark HyTopK against the baselines of docs/design.md section 10, in one run, on one GPU.
 
 One sequence, H = 32 indexer heads of D = 128, topk = 2048, bf16 q/k, fp32 w, causal.
 For each T: HyTopK (backend="triton"; its scan runs the Gluon kernel on sm_90), the query-chunked

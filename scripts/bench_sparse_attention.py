@@ -1,4 +1,4 @@
-"""Benchmark: Triton sparse attention vs dense SDPA (flash) on one GPU, in one run (DESIGN section 10).
+"""Benchmark: Triton sparse attention vs dense SDPA (flash) on one GPU, in one run (docs/design.md section 10).
 
 Selections are what a trained DSA indexer tends to pick: a few attention-sink tokens, a local window
 and far tokens spread over the rest of the past (stratified random: one key drawn in each of

@@ -13,9 +13,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutput
 
-from hyscale_hf import hytopk, indexer_kl_loss, patching, sparse_attention
+from hyscale_hf import families, hytopk, indexer_kl_loss, sparse_attention
+from hyscale_hf.families import register_family
 from hyscale_hf.indexer import attach_indexer_loss
-from hyscale_hf.patching import register_family, supported_model_types
+from hyscale_hf.patching import supported_model_types
 from hyscale_hf.replay import reuse_indices
 
 
@@ -156,7 +157,7 @@ def toy_family():
     try:
         yield
     finally:
-        patching._FAMILIES.pop("hyscale_toy", None)
+        families._FAMILIES.pop("hyscale_toy", None)
 
 
 def make_toy(seed: int = 0, **config) -> ToyModel:

@@ -8,7 +8,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hyscale_hf
 from hyscale_hf import HyScaleCallback, indexer_modules_to_save, indexer_parameter_names
-from hyscale_hf.patching import patch_state
+from hyscale_hf.state import patch_state
 from tests.toy_dsa import tiny_toy_model
 
 SEQ = 48

@@ -3,8 +3,9 @@
 import torch
 
 from hyscale_hf import HyScaleConfig
-from hyscale_hf.indexer import attach_indexer_loss, in_backward
-from hyscale_hf.patching import ModelFamily, PatchState
+from hyscale_hf.families import ModelFamily
+from hyscale_hf.indexer import attach_indexer_loss
+from hyscale_hf.state import PatchState, in_backward
 
 
 def make_state(coef):

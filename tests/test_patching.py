@@ -3,7 +3,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 import hyscale_hf
-from hyscale_hf.patching import base_model, family_of
+from hyscale_hf.patching import family_of
+from hyscale_hf.state import base_model
 
 
 class _Unknown(PreTrainedModel):

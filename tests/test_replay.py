@@ -10,8 +10,9 @@ import torch
 
 import hyscale_hf
 from hyscale_hf import HyScaleConfig, SelectionReplayMismatch, patch_model, unpatch_model
-from hyscale_hf.indexer import in_backward
-from hyscale_hf.replay import ReplayContextFn, _ReplayCheckpointFunc
+from hyscale_hf.model_patches._checkpointing import _ReplayCheckpointFunc
+from hyscale_hf.replay import ReplayContextFn
+from hyscale_hf.state import in_backward, patch_state
 from tests import replay_toy
 from tests.replay_toy import make_toy
 from tests.trainer_run import trained_parameters
@@ -162,7 +163,7 @@ def test_verify_mode_raises_naming_the_layer_on_a_perturbed_recompute():
     target.register_forward_hook(perturb_in_recompute)
     _step(model, _ids())  # verify off: replay hides the perturbation
     assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
-    hyscale_hf.patching.patch_state(model).config.verify_replay = True  # live switch
+    patch_state(model).config.verify_replay = True  # live switch
     with pytest.raises(SelectionReplayMismatch, match=r"HyTopK selection.*'layers\.2'.*indices differ"):
         _step(model, _ids())
 

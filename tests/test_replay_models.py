@@ -8,7 +8,7 @@ import torch
 
 import hyscale_hf
 from hyscale_hf import SelectionReplayMismatch, patch_model
-from hyscale_hf.indexer import in_backward
+from hyscale_hf.state import in_backward
 from tests.trainer_run import trained_parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

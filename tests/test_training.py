@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hyscale_hf
+from hyscale_hf.state import patch_state
 from hyscale_hf.training import topk_recall
 from tests.model_patches.tiny_models import build
 
@@ -72,6 +73,6 @@ def test_probe_counts_each_full_layer_once_under_checkpoint_recompute():
         model(input_ids=ids, labels=ids).loss.backward()
     assert probe.calls == 2  # the two full indexer layers, not again in recompute, not the shared layer
     assert 0.0 < probe.mean() <= probe.mean_best() + 1e-6
-    assert hyscale_hf.patching.patch_state(model).selection_probe is None
+    assert patch_state(model).selection_probe is None
     with pytest.raises(ValueError, match="not patched"):
         hyscale_hf.measure_topk_recall(build("glm_moe_dsa")[0], {"input_ids": ids})

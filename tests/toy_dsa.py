@@ -1,4 +1,5 @@
-"""A tiny DSA-style causal LM that follows PATCH_CONTRACT.md, registered as family ``hyscale_toy_dsa``.
+"""A tiny DSA-style causal LM patched through the family contract of ``hyscale_hf.families.register_family``,
+registered as family ``hyscale_toy_dsa``.
 
 It lets the training pieces (callback, recall metric, PEFT helper) be tested on a model whose
 patched attention is a few readable lines, independently of the real model families: GQA attention
@@ -19,8 +20,8 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from hyscale_hf import hytopk, indexer_kl_loss, sparse_attention
+from hyscale_hf.families import _FAMILIES, register_family
 from hyscale_hf.indexer import attach_indexer_loss
-from hyscale_hf.patching import _FAMILIES, register_family
 from hyscale_hf.training import observe_selection
 
 MODEL_TYPE = "hyscale_toy_dsa"

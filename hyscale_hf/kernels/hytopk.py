@@ -1,6 +1,6 @@
 """HyTopK: score every visible key with the lightning indexer and keep each query's exact top-k.
 
-Layout (DESIGN section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long; the
+Layout (docs/design.md section 3): the Triton kernels live in ``hytopk_triton.py`` (they are long; the
 algorithm is described there), the warp-specialised scan that replaces the Triton scan on sm_90 for
 long inputs in ``hytopk_scan_gluon.py``; here are the host launch, the custom op and the public
 function.
@@ -133,7 +133,7 @@ _GLUON_SCAN_COLUMNS = 256
 # Keys per sequence from which the Gluon scan runs: one program per SM of 16 queries leaves SMs idle
 # at the end of each launch, which long windows amortise. H200, H = 32, same runs, scan kernel time:
 # 8K 0.69 against 0.56 ms for the Triton scan, 32K 10.3 against 9.4-10.0, 64K 41.4-43.5 against
-# 44.3, 128K whole op 151.1 against 162.3 ms (BENCHMARKS.md).
+# 44.3, 128K whole op 151.1 against 162.3 ms (benchmarks/notes.md).
 _GLUON_SCAN_MIN_KEYS = 65536
 
 
@@ -271,7 +271,7 @@ def _hytopk_triton(
         # 8 * K keys rather than 4 * K: longer segments (fewer scan and refine launches) and fewer
         # refines (H200, T = 128K: 192K against 340K per call) outweigh the final selection's larger
         # buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072`
-        # (16 * K was slower, 170.9 ms: BENCHMARKS.md).
+        # (16 * K was slower, 170.9 ms: benchmarks/notes.md).
         k_pow2 = triton.next_power_of_2(K)
         cap = max(8 * k_pow2, k_pow2 + 4 * BN)
     k_slots = triton.cdiv(K, BN)

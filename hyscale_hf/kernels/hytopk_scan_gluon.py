@@ -17,7 +17,7 @@ Barriers: "ready" per slot (load warp -> selection warpgroups, with the copy's b
 "free" per slot (both selection warpgroups -> load warp, once their product of that tile is done).
 On an H200 (H = 32, D = 128, T = 128K, scoring alone, same run) this took 105.8 ms against 128.0
 for the Triton scan; the same structure with 128 columns and two products in flight per
-warpgroup took 133.7 ms (BENCHMARKS.md).
+warpgroup took 133.7 ms (benchmarks/notes.md).
 
 The selection arithmetic is the Triton kernel's. The fp32 scores can differ from the Triton
 kernel's in the last bits (the compiler may fuse the head sum's multiplies and adds differently),

@@ -1,6 +1,6 @@
 """Indexer KL loss: trains the lightning indexer to match the main attention's distribution.
 
-Layout (DESIGN section 3): Triton kernels, host launch functions, the autograd wrapper, the public
+Layout (docs/design.md section 3): Triton kernels, host launch functions, the autograd wrapper, the public
 function. The torch path is ``reference.indexer_kl_loss_reference``.
 """
 

@@ -1,6 +1,6 @@
 """Pure-torch reference ops: the test oracles and the CPU path.
 
-Everything here is exact under the contracts of DESIGN section 2 and keeps memory at
+Everything here is exact under the contracts of docs/design.md section 2 and keeps memory at
 O(query_chunk * T): no function materialises a whole ``[S, H, T]`` or ``[S, T]`` table except
 ``indexer_scores``, which exists for tests and says so.
 """

@@ -1,9 +1,9 @@
 """Sparse attention: each query attends only to its selected keys (GQA/MHA and MLA absorbed).
 
-Layout (DESIGN section 3): Triton kernels, host launch functions, the autograd wrapper, the public
+Layout (docs/design.md section 3): Triton kernels, host launch functions, the autograd wrapper, the public
 function. The torch path is ``reference.sparse_attention_reference`` (autograd through gathers).
 
-Kernel design (DESIGN section 6). A program owns a block of "rows" (query, head pairs) that share
+Kernel design (docs/design.md section 6). A program owns a block of "rows" (query, head pairs) that share
 one key list, gathers the listed key rows ``BLOCK_N`` at a time and runs an online softmax:
 
 - MLA absorbed (wide rows, Dqk + Dv > 512): one program per query token and up to 64 of its heads

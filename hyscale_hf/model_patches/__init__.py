@@ -1,6 +1,10 @@
 """Transformers glue: one module per model family, each registering itself with
-``hyscale_hf.patching.register_family``. The only part of hyscale_hf that imports transformers
-internals. Families missing from the installed Transformers are skipped at import.
+``hyscale_hf.families.register_family``, plus the Transformers checkpointing hooks of selection
+replay (``_checkpointing``). The only part of hyscale_hf that knows Transformers internals.
+Families missing from the installed Transformers are skipped at import.
+
+Nothing here imports ``hyscale_hf.patching``: patching imports this package on first use to fill
+the registry, so an import back would close a circle (docs/design.md section 3).
 
 Dense families (indexer added): glm4, llama, mistral, qwen2, qwen3. DSA families (MLA + lightning
 indexer): axk2, deepseek_v32, dots3_note, glm_moe_dsa, hy_v4, mistral_large4.

@@ -17,7 +17,7 @@ import types
 from torch import nn
 
 from ..kernels import chunked_cross_entropy
-from ..patching import PatchState
+from ..state import PatchState
 
 
 class _IdentityHead(nn.Module):

@@ -41,7 +41,8 @@ from transformers.modeling_utils import AttentionInterface
 from ..indexer import LightningIndexer, attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, sparse_attention
 from ..kernels.reference import query_windows
-from ..patching import LiveRecord, PatchState, saved_record, set_record
+from ..records import LiveRecord, saved_record, set_record
+from ..state import PatchState
 from ..training import observe_selection
 from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._dense_cache import indexer_cache_layer

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..kernels import rms_norm, swiglu_mlp
-from ..patching import PatchState
+from ..state import PatchState
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -28,8 +28,8 @@ from torch.utils.checkpoint import checkpoint
 from ..indexer import attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.reference import absorbed_query, chunk_budget_bytes, query_windows
-from ..patching import PatchState
 from ..replay import reuse_indices
+from ..state import PatchState
 from ..training import observe_selection
 from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._lean_layers import apply_lean_layers

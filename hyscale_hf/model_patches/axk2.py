@@ -10,7 +10,7 @@ What this family does (Transformers' ``AXK2Attention`` / ``AXK2Indexer``):
 
 import torch
 
-from ..patching import register_family
+from ..families import register_family
 from ._mla_dsa import MLADSAFamily, load_family_module, patch_mla_dsa_model
 
 _modeling = load_family_module("axk2")

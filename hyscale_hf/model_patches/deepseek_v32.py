@@ -7,7 +7,7 @@ What this family does (Transformers' ``DeepseekV32Attention`` / ``DeepseekV32Ind
 - no IndexShare: every layer runs its own indexer.
 """
 
-from ..patching import register_family
+from ..families import register_family
 from ._mla_dsa import MLADSAFamily, load_family_module, patch_mla_dsa_model
 
 _modeling = load_family_module("deepseek_v32")

@@ -16,7 +16,7 @@ Transformers 5.17 does not have this model: the family is skipped there.
 
 import torch
 
-from ..patching import register_family
+from ..families import register_family
 from ._mla_dsa import MLADSAFamily, load_family_module, patch_mla_dsa_model
 
 _modeling = load_family_module("dots3_note")

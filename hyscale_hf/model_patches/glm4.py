@@ -6,7 +6,7 @@ apply_rotary_pos_emb does both, and the indexer uses it.
 
 from transformers.models.glm4 import modeling_glm4
 
-from ..patching import register_family
+from ..families import register_family
 from ._dense_common import make_dense_apply
 
 apply = make_dense_apply(modeling_glm4.Glm4Attention, modeling_glm4.apply_rotary_pos_emb)

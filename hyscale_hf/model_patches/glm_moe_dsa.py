@@ -11,7 +11,7 @@ What this family does (Transformers' ``GlmMoeDsaAttention`` / ``GlmMoeDsaIndexer
   checkpointing saves them).
 """
 
-from ..patching import register_family
+from ..families import register_family
 from ._mla_dsa import MLADSAFamily, load_family_module, patch_mla_dsa_model
 
 _modeling = load_family_module("glm_moe_dsa")

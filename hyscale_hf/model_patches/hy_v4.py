@@ -14,7 +14,7 @@ What this family does (Transformers' ``HYV4Attention`` / ``HYV4Indexer``):
 
 import torch
 
-from ..patching import register_family
+from ..families import register_family
 from ._mla_dsa import MLADSAFamily, load_family_module, patch_mla_dsa_model
 
 _modeling = load_family_module("hy_v4")

@@ -5,7 +5,7 @@ A configured sliding_window is intersected with the selection (per-query window_
 
 from transformers.models.mistral import modeling_mistral
 
-from ..patching import register_family
+from ..families import register_family
 from ._dense_common import make_dense_apply
 
 apply = make_dense_apply(modeling_mistral.MistralAttention, modeling_mistral.apply_rotary_pos_emb)

@@ -5,7 +5,7 @@ Layers listed as "sliding_attention" (use_sliding_window) intersect their window
 
 from transformers.models.qwen2 import modeling_qwen2
 
-from ..patching import register_family
+from ..families import register_family
 from ._dense_common import make_dense_apply
 
 apply = make_dense_apply(modeling_qwen2.Qwen2Attention, modeling_qwen2.apply_rotary_pos_emb)

@@ -34,6 +34,7 @@ from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hyscale_hf
+from hyscale_hf.state import patch_state
 
 VOCAB, LENGTH, GLOBAL_BATCH = 128, 32, 4
 # Small indexer, and a top-k well below the sequence length so the selection is real.
@@ -115,7 +116,7 @@ def train(accelerator: Accelerator, phase: str, steps: int, out: Path, save: boo
         raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {world} processes")
     per_rank = GLOBAL_BATCH // world
     model = build(phase)
-    state = hyscale_hf.patching.patch_state(model)
+    state = patch_state(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     if accelerator.is_main_process:

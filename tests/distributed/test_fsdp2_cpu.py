@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import hyscale_hf
+from hyscale_hf.state import patch_state
 from tests.distributed.fsdp2_tiny_train import PATCH, eval_tokens, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +143,7 @@ def _reload(checkpoint: Path, dense: bool = True):
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     hyscale_hf.patch_model(model, backend="torch")  # dense: indexer settings and weights from the checkpoint
-    config = hyscale_hf.patching.patch_state(model).config
+    config = patch_state(model).config
     if dense:
         assert (config.topk, config.index_n_heads, config.index_head_dim) == (
             PATCH["topk"], PATCH["index_n_heads"], PATCH["index_head_dim"])

@@ -37,7 +37,7 @@ def binary_position_keys(T, D, *, descending=False, offset_dim=None):
 
 
 def adversarial_inputs(S, T, H, D, *, dtype=torch.bfloat16, device="cpu", seed=0, n_strong=3):
-    """One batch per adversarial pattern (DESIGN section 9), all integer-valued (exact):
+    """One batch per adversarial pattern (docs/design.md section 9), all integer-valued (exact):
 
     0: ReLU zero plateau: all keys but ``n_strong`` score exactly 0 (more zero ties than K);
        some queries have w = 0 or w = -0.0 (all-zero rows, -0.0 scores).

@@ -1,4 +1,4 @@
-"""The reference HyTopK (backend="torch") against a brute-force full sort, on the contract of DESIGN §2."""
+"""The reference HyTopK (backend="torch") against a brute-force full sort, on the contract of docs/design.md section 2."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Shared test inputs and a brute-force oracle for the top-k contract (DESIGN section 2).
+"""Shared test inputs and a brute-force oracle for the top-k contract (docs/design.md section 2).
 
 The oracle sorts Python tuples, independent of the int64-key trick the reference uses.
 """

@@ -14,7 +14,7 @@ import torch
 
 import hyscale_hf
 from hyscale_hf.model_patches import _mla_dsa
-from hyscale_hf.patching import patch_state
+from hyscale_hf.state import patch_state
 
 from .tiny_models import VOCAB, build
 

@@ -1,6 +1,6 @@
 """Dense families (llama, qwen2, qwen3, mistral, glm4) patched with a lightning indexer.
 
-The oracle (DESIGN section 9): with topk >= sequence length every selection keeps all visible keys,
+The oracle (docs/design.md section 9): with topk >= sequence length every selection keeps all visible keys,
 so the patched model must match the unpatched one. With a small topk, selections matter, and the
 tests check what must still hold exactly: decode/chunked prefill over the cache equal a full forward,
 packed and padded rows equal the same sequences run alone, a save/load round trip reproduces outputs.
@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaModel
 
 from hyscale_hf import is_patched, patch_model, unpatch_model
 from hyscale_hf.model_patches._dense_common import ATTN_IMPL
-from hyscale_hf.patching import patch_state
+from hyscale_hf.state import patch_state
 
 from ._dense_tiny import FAMILIES, INDEXER, PAD, VARIANTS, tiny_model, tokens
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import hyscale_hf
 from hyscale_hf.model_patches._lean_layers import apply_lean_layers
-from hyscale_hf.patching import PatchState
+from hyscale_hf.state import PatchState
 
 from ._dense_tiny import tiny_model, tokens
 from .tiny_models import build

@@ -13,6 +13,7 @@ import pytest
 import hyscale_hf
 import tests.model_patches as family_tests
 from hyscale_hf.patching import family_of
+from hyscale_hf.state import patch_state
 
 DENSE_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "glm4"}
 
@@ -64,7 +65,7 @@ def test_patching_twice_is_refused_and_options_are_written_back():
 
     model, config = build("deepseek_v32", index_topk=7)
     hyscale_hf.patch_model(model, backend="torch")
-    state = hyscale_hf.patching.patch_state(model)
+    state = patch_state(model)
     assert (state.config.topk, state.config.index_n_heads, state.config.index_head_dim, state.config.relu) == (
         7, config.index_n_heads, config.index_head_dim, True)
     with pytest.raises(ValueError, match="already patched"):
