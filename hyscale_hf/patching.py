@@ -73,13 +73,21 @@ def register_family(model_type: str, apply: ApplyFn, kind: str) -> None:
     _FAMILIES[model_type] = ModelFamily(model_type, apply, kind)
 
 
+def _registered() -> dict[str, ModelFamily]:
+    # The families register themselves when hyscale_hf.model_patches is imported. The package's lazy
+    # __init__ imports it on first use of a public name; this covers importing this module directly.
+    from . import model_patches  # noqa: F401
+
+    return _FAMILIES
+
+
 def supported_model_types() -> list[str]:
     """``config.model_type`` values ``patch_model`` accepts with the installed Transformers."""
-    return sorted(_FAMILIES)
+    return sorted(_registered())
 
 
 def family_of(model_type: str) -> ModelFamily:
-    if model_type not in _FAMILIES:
+    if model_type not in _registered():
         raise ValueError(
             f"hyscale_hf does not support model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
         )
