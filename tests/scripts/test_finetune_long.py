@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import hyscale_hf
@@ -73,6 +74,7 @@ def test_tiny_run_end_to_end(tmp_path):
     assert torch.isfinite(first).all() and torch.equal(first, second)
 
 
+@pytest.mark.slow  # three runs, one of them refused after the model is loaded: ~40 s on 2 cores
 def test_local_dense_model_with_lora(tmp_path):
     """--model: a local Llama checkpoint (the patch adds the indexer), LoRA adapters + a fully trained indexer."""
     from transformers import LlamaConfig, LlamaForCausalLM
