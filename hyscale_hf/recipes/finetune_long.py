@@ -47,9 +47,9 @@ def main(argv=None) -> int:
     """Console entry point: 0 on success, 128 + the signal number after an interruption."""
     try:
         results = run(argv)
-    except KeyboardInterrupt:  # before or after training: nothing half-written to resume from
-        print("interrupted before training started or after it ended; see --output_dir for what was written",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # outside training, or a second Ctrl-C during it: no checkpoint of this step
+        print("interrupted: outside training (or by a second Ctrl-C), so no checkpoint was written for it; "
+              "--output_dir holds what was saved before", file=sys.stderr)
         return 128 + signal.SIGINT
     return 128 + results["interrupted_by"] if "interrupted_by" in results else 0
 
