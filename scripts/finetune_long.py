@@ -2,19 +2,16 @@
 """Long-context fine-tuning with hyscale_hf (also installed as the ``hyscale-finetune-long`` command).
 
     python scripts/finetune_long.py            # offline demo on a small GLM-5-architecture model
-    python scripts/finetune_long.py --help     # every option
+    python scripts/finetune_long.py --help     # every option, and the presets' values
 
-The logic lives in ``hyscale_hf/recipes/finetune_long.py``.
+The logic lives in ``hyscale_hf/recipes/finetune_long.py`` (install the package first:
+``bash scripts/install.sh``). Exit status: 0 on success, 2 for bad arguments, 128 + the signal number
+when SIGTERM or Ctrl-C stopped the run after writing a checkpoint.
 """
 
 import sys
-from pathlib import Path
 
-try:
-    from hyscale_hf.recipes.finetune_long import main
-except ImportError:  # run from a source checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hyscale_hf.recipes.finetune_long import main
+from hyscale_hf.recipes.finetune_long import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

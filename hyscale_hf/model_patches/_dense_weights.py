@@ -40,6 +40,19 @@ def _resolve_file(source: str, filename: str, revision: str | None) -> str | Non
     )
 
 
+def _is_local_path(source: str) -> bool:
+    """A name that cannot be a hub repo id ("name" or "owner/name") is a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.isabs(source) or source.startswith((".", "~")) or source.count("/") > 1 or os.sep != "/" and os.sep in source:
+        return True
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return True
+    return False
+
+
 def _checkpoint_files(model: nn.Module) -> list[str]:
     source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
     revision = getattr(model.config, "_commit_hash", None)
@@ -47,6 +60,13 @@ def _checkpoint_files(model: nn.Module) -> list[str]:
             f"their weights cannot be read from the checkpoint it was loaded from ({source!r})")
     if not source:
         raise ValueError(f"{hint}: model.name_or_path is empty. Delete model.config.{RECORD_ATTR} to start fresh indexers.")
+    if not os.path.isdir(source) and _is_local_path(source):
+        # Without this, the hub lookup below fails with "Repo id must be in the form ...".
+        raise ValueError(
+            f"{hint}: the folder {source!r} does not exist (any more: moved or deleted after from_pretrained?). "
+            "Load the model from the folder that now holds the checkpoint and patch it then, or set "
+            f"model.name_or_path to that folder before patch_model; delete model.config.{RECORD_ATTR} to start fresh indexers."
+        )
     single = _resolve_file(source, _SINGLE, revision)
     if single is not None:
         return [single]

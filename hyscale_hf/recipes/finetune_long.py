@@ -4,130 +4,123 @@
     hyscale-finetune-long --model <hub id or path> --dataset <hub id or path> --seq_len 32768
     accelerate launch scripts/finetune_long.py ...  # several GPUs (DDP or FSDP2), same arguments
 
-Steps: load (or build) the model and tokenizer, pack documents to ``--seq_len``, ``patch_model``,
-gradient checkpointing with selection replay, ``Trainer`` + ``HyScaleCallback`` (dense warm-up for
-``--dense_warmup_steps`` steps, then sparse), passkey retrieval at several depths, top-k recall on
-held-out text, a loss-curve PNG, and a checkpoint (``trainer.save_model`` + ``hyscale_config.json``)
-that is loaded back and compared. Everything lands in ``--output_dir`` (``results.json`` sums it up).
+The run, one function per stage: validate the arguments (``args.py``, before anything heavy is
+imported) -> load the tokenizer and check the passkey prompts fit -> pack the data -> load or build
+the model -> ``patch_model`` (+ LoRA) -> train with the ``Trainer`` and ``HyScaleCallback``
+(dense pre-training, dense warm-up, sparse; checkpoints, resume and interruption in
+``checkpoints.py``) -> save -> evaluate (top-k recall on held-out text, passkey retrieval) ->
+reload the saved model and compare -> ``results.json``, a loss-curve PNG and a summary
+(``report.py``).
 
 With no ``--model`` the run needs no network: it builds a small ``glm_moe_dsa`` model (GLM-5's
 architecture: MLA, lightning indexer, MoE) with random weights, uses a byte-level tokenizer built
-in code, and trains on the Python standard library's source files. Defaults depend on the device:
-a few minutes on a 2-core CPU, a bigger model and longer context on a GPU. A random-init model this
-small learns byte statistics in a few minutes, not retrieval: expect passkey accuracy near zero
-there; the run shows the pipeline and the indexer's recall, not a trained long-context model.
+in code, and trains on the Python standard library's source files. A random-init model this small
+learns byte statistics in a few minutes, not retrieval: expect passkey accuracy near zero there.
 
-Only the public ``hyscale_hf`` API is used.
+Only the public ``hyscale_hf`` API is used. torch, transformers and datasets are imported inside the
+functions, after the arguments are parsed, so ``--help`` and argument errors come back at once.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import math
 import os
+import signal
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
-import torch
-
-import hyscale_hf
-
-from .data import byte_tokenizer, load_documents, pack, stdlib_documents
-from .passkey import PasskeyBuilder, passkey_accuracy
-from .plots import plot_training_curves
-
-# Settings that differ between the CPU demo, the GPU default and the CI smoke test (--tiny).
-PRESETS = {
-    "tiny": dict(seq_len=256, max_steps=6, dense_warmup_steps=2, dense_pretrain_steps=1, batch_size=1, lr=2e-3, logging_steps=1,
-                 hidden_size=64, num_layers=2, index_topk=32, index_n_heads=2, index_head_dim=16,
-                 passkey_trials=1, passkey_depths="0.0,1.0", passkey_length=400, eval_tokens=256),
-    "cpu": dict(seq_len=1024, max_steps=120, dense_warmup_steps=20, dense_pretrain_steps=60, batch_size=1, lr=2e-3, logging_steps=5,
-                hidden_size=128, num_layers=3, index_topk=64, index_n_heads=4, index_head_dim=32,
-                passkey_trials=4, passkey_depths="0.0,0.25,0.5,0.75,1.0", eval_tokens=1024),
-    "gpu": dict(seq_len=8192, max_steps=1000, dense_warmup_steps=100, dense_pretrain_steps=400, batch_size=2, lr=1e-3, logging_steps=10,
-                hidden_size=512, num_layers=6, index_topk=512, index_n_heads=8, index_head_dim=64,
-                passkey_trials=10, passkey_depths="0.0,0.25,0.5,0.75,1.0", eval_tokens=8192),
-}
-# Preset keys that shape the built model only (with --model, index_n_heads/index_head_dim given on the
-# command line size the indexer that patch_model adds to a dense model).
-BUILT_MODEL_KEYS = ("hidden_size", "num_layers", "index_topk", "index_n_heads", "index_head_dim")
+from .args import parse_args
+from .report import BUILT_MODEL_NAME, describe_training, write_results
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    src = p.add_argument_group("model and data")
-    src.add_argument("--model", help="hub id or local path of a supported model (default: build a small random-init glm_moe_dsa)")
-    src.add_argument("--tokenizer", help="tokenizer id or path (default: the model's; the byte tokenizer without --model)")
-    src.add_argument("--dataset", help="hub dataset id or local text/json/jsonl/parquet/csv file or folder "
-                     "(default: the Python standard library's source files)")
-    src.add_argument("--dataset_config")
-    src.add_argument("--dataset_split", default="train")
-    src.add_argument("--text_column", default="text")
-    src.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                     help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    run = p.add_argument_group("training (None = preset default: --tiny, CPU or GPU)")
-    run.add_argument("--tiny", action="store_true", help="seconds-long smoke run (CI)")
-    run.add_argument("--seq_len", type=int)
-    run.add_argument("--max_steps", type=int)
-    run.add_argument("--dense_warmup_steps", type=int, help="steps that train only the indexer, attention dense")
-    run.add_argument("--dense_pretrain_steps", type=int, help="steps before the warm-up that train everything "
-                     "with dense attention (default: 0 with --model; the built random-init model needs them)")
-    run.add_argument("--batch_size", type=int, help="per device")
-    run.add_argument("--grad_accum", type=int, default=1)
-    run.add_argument("--lr", type=float)
-    run.add_argument("--logging_steps", type=int)
-    run.add_argument("--topk", type=int, help="keys kept per query (default: the model's index_topk)")
-    run.add_argument("--indexer_loss_coef", type=float, default=None, help="default: HyScaleConfig's")
-    run.add_argument("--lm_loss_chunk", type=int, default=None,
-                     help="compute the LM loss this many tokens at a time: the [seq_len, vocab] logits never exist "
-                          "whole (long context with a large vocabulary)")
-    run.add_argument("--no_gradient_checkpointing", action="store_true")
-    run.add_argument("--lora_r", type=int, default=0, help="LoRA rank (0: full fine-tuning); the indexer trains fully")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--output_dir", default="hyscale_finetune_long")
-    run.add_argument("--report_to", default="none")
-    run.add_argument("--no_progress", action="store_true", help="plain log lines instead of a progress bar")
-    built = p.add_argument_group("the built model (no --model); --index_n_heads/--index_head_dim also size the "
-                                 "indexer added to a dense --model")
-    built.add_argument("--hidden_size", type=int)
-    built.add_argument("--num_layers", type=int)
-    built.add_argument("--index_topk", type=int)
-    built.add_argument("--index_n_heads", type=int)
-    built.add_argument("--index_head_dim", type=int)
-    ev = p.add_argument_group("evaluation")
-    ev.add_argument("--passkey_depths", help="comma-separated depths in [0, 1]")
-    ev.add_argument("--passkey_trials", type=int, help="keys per depth")
-    ev.add_argument("--passkey_length", type=int, help="prompt length in tokens (default: --seq_len)")
-    ev.add_argument("--eval_tokens", type=int, help="held-out tokens for top-k recall and reload check")
-    args = p.parse_args(argv)
-    preset = dict(PRESETS["tiny" if args.tiny else ("gpu" if torch.cuda.is_available() else "cpu")])
-    if args.model is not None:
-        preset["dense_pretrain_steps"] = 0  # a trained dense model: straight to the indexer warm-up
-        for key in BUILT_MODEL_KEYS:  # the model brings its own shape
-            preset.pop(key)
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.depths = [float(d) for d in args.passkey_depths.split(",")]
-    args.passkey_length = args.passkey_length or args.seq_len
-    for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "logging_steps", "passkey_trials", "eval_tokens"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name} must be positive")
-    if args.dense_warmup_steps < 0 or args.dense_pretrain_steps < 0:
-        p.error("--dense_warmup_steps and --dense_pretrain_steps must be non-negative")
-    if args.dense_pretrain_steps + args.dense_warmup_steps > args.max_steps:
-        p.error("--dense_pretrain_steps + --dense_warmup_steps must not exceed --max_steps")
-    return args
+@dataclass
+class Data:
+    train: object  # datasets.Dataset of packed blocks
+    eval: object | None  # evaluated by the Trainer during training (eval_loss), or None
+    held_out: object  # torch.Tensor [blocks, seq_len]: top-k recall and the reload check
 
 
-# ----------------------------------------------------------------------------- model
+def main(argv=None) -> int:
+    """Console entry point: 0 on success, 128 + the signal number after an interruption."""
+    try:
+        results = run(argv)
+    except KeyboardInterrupt:  # outside training, or a second Ctrl-C during it: no checkpoint of this step
+        print("interrupted: outside training (or by a second Ctrl-C), so no checkpoint was written for it; "
+              "--output_dir holds what was saved before", file=sys.stderr)
+        return 128 + signal.SIGINT
+    return 128 + results["interrupted_by"] if "interrupted_by" in results else 0
+
+
+def run(argv=None) -> dict:
+    """Parse ``argv``, run every stage, and return the results (also written to ``results.json``)."""
+    args = parse_args(argv)
+    started = time.time()
+    setup(args)
+    from .checkpoints import prepare_output_dir, resolve_resume
+
+    checkpoint = resolve_resume(args)
+    prepare_output_dir(args)
+    tokenizer = load_tokenizer(args)
+    passkey = passkey_builder(args, tokenizer)
+    data = prepare_data(args, tokenizer)
+    model = patch(args, load_model(args, tokenizer))
+    trainer, interrupt = build_trainer(args, model, tokenizer, data, checkpoint)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if interrupt.signum is not None:
+        return interrupted(args, trainer, interrupt.signum)
+    train_seconds = time.time() - started
+    out = save(args, trainer)
+    results = describe_training(args, trainer, checkpoint, train_seconds)
+    results |= evaluate(args, trainer.model, passkey, data.held_out)
+    if trainer.is_world_process_zero():
+        # A sharded (FSDP) model cannot run a forward on one rank alone: check reloads in one-process runs.
+        if args.lora_r == 0 and args.world_size == 1:
+            results["reload_max_abs_logit_diff"] = reload_check(out, trainer.model, data.held_out[:1, :256])
+        write_results(args, trainer, results, started)
+    return results
+
+
+def setup(args) -> None:
+    import torch
+    from transformers import set_seed
+
+    on_gpu = torch.cuda.is_available()
+    args.torch_dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
+                        "bfloat16": torch.bfloat16}[args.dtype]
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.main_process = int(os.environ.get("RANK", "0")) == 0
+    set_seed(args.seed)
+
+
+# ----------------------------------------------------------------------------- model and tokenizer
+
+
+def load_tokenizer(args):
+    from transformers import AutoTokenizer
+
+    from .data import byte_tokenizer
+
+    if args.tokenizer is None and args.model is None:
+        return byte_tokenizer()
+    return AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+
+
+def passkey_builder(args, tokenizer):
+    """The passkey prompts, built now so a length that cannot hold one fails before training."""
+    from .passkey import PasskeyBuilder
+
+    try:
+        return PasskeyBuilder(tokenizer, args.passkey_length)
+    except ValueError as e:
+        raise SystemExit(f"error: --passkey_length {args.passkey_length}: {e}") from None
 
 
 def build_glm5_model(args, tokenizer):
     """A small GLM-5-architecture model (glm_moe_dsa: MLA + lightning indexer + MoE), random init."""
+    import torch
     from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
 
     h = args.hidden_size
@@ -137,7 +130,7 @@ def build_glm5_model(args, tokenizer):
         num_hidden_layers=args.num_layers, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=h // 2,
         kv_lora_rank=h // 4, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-        index_topk=args.index_topk, index_n_heads=args.index_n_heads, index_head_dim=args.index_head_dim,
+        index_topk=args.topk, index_n_heads=args.index_n_heads, index_head_dim=args.index_head_dim,
         max_position_embeddings=max(4096, 2 * args.seq_len), pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False,
     )
@@ -145,176 +138,236 @@ def build_glm5_model(args, tokenizer):
     return AutoModelForCausalLM.from_config(config, dtype=args.torch_dtype)
 
 
-def load_model_and_tokenizer(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(args, tokenizer):
+    import hyscale_hf
 
     if args.model is None:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else byte_tokenizer()
-        return build_glm5_model(args, tokenizer), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype)
-    if model.config.model_type not in hyscale_hf.supported_model_types():
-        raise SystemExit(
-            f"{args.model} is a {model.config.model_type!r} model; supported: {', '.join(hyscale_hf.supported_model_types())}"
-        )
-    return model, tokenizer
+        model = build_glm5_model(args, tokenizer)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype)
+        if model.config.model_type not in hyscale_hf.supported_model_types():
+            raise SystemExit(f"error: --model {args.model} is a {model.config.model_type!r} model; supported: "
+                             f"{', '.join(hyscale_hf.supported_model_types())}")
+    if args.main_process:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"hyscale_hf finetune_long: {args.model or BUILT_MODEL_NAME}, {params / 1e6:.2f}M parameters, "
+              f"{args.preset} preset, seq_len {args.seq_len}, {args.max_steps} steps ({args.dense_pretrain_steps} "
+              f"dense pre-training, {args.dense_warmup_steps} dense warm-up, then sparse)", flush=True)
+    return model
 
 
-def add_lora(model, rank: int):
-    """LoRA on every linear layer outside the indexer and the LM head; the indexer trains in full."""
+def patch(args, model):
+    """``patch_model`` with the command line's overrides, then LoRA if asked for."""
+    import hyscale_hf
+
+    overrides = {name: getattr(args, name) for name in ("indexer_loss_coef", "lm_loss_chunk")
+                 if getattr(args, name) is not None}
+    if "topk" in args.given:
+        overrides["topk"] = args.topk
+    if args.model is not None:
+        overrides |= {n: getattr(args, n) for n in ("index_n_heads", "index_head_dim") if getattr(args, n) is not None}
+    hyscale_hf.patch_model(model, **overrides)
+    return add_lora(args, model) if args.lora_r > 0 else model
+
+
+def add_lora(args, model):
+    """LoRA on ``--lora_target_modules`` (default: every Linear outside the indexer and the LM head);
+    the indexer trains in full through ``modules_to_save``."""
+    import torch
     from peft import LoraConfig, get_peft_model
+
+    import hyscale_hf
 
     indexers = hyscale_hf.indexer_modules_to_save(model)
     head = model.get_output_embeddings()
-    targets = [
-        name for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and module is not head
-        and not any(name == i or name.startswith(i + ".") for i in indexers)
-    ]
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, modules_to_save=indexers,
-                      task_type="CAUSAL_LM")
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and module is not head
+               and not any(name == i or name.startswith(i + ".") for i in indexers)]
+    targets = args.lora_target_modules or linears
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linears)]
+    if unmatched:
+        raise SystemExit(f"error: --lora_target_modules {unmatched}: no Linear layer outside the indexer and the LM "
+                         f"head has that name; some that do: {sorted({n.rsplit('.', 1)[-1] for n in linears})}")
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      modules_to_save=indexers, task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
 
 
 # ----------------------------------------------------------------------------- data
 
 
-def training_documents(args, chars_needed: int) -> list[str]:
+def prepare_data(args, tokenizer) -> Data:
+    """Packed training blocks, the optional evaluation set, and the held-out recall blocks."""
+    import datasets
+    import torch
+
+    from .data import load_documents, pack, stdlib_documents
+
+    datasets.disable_progress_bars() if args.no_progress else datasets.enable_progress_bars()
+    held_blocks = math.ceil(args.eval_tokens / args.seq_len)
+    eval_blocks = 0
+    train_blocks = args.max_steps * args.batch_size * args.grad_accum * args.world_size + 2
+    if args.eval_fraction is not None:
+        eval_blocks = max(1, math.ceil(train_blocks * args.eval_fraction / (1 - args.eval_fraction)))
+    # bytes per token ~ 1 for the byte tokenizer, ~4 for subword tokenizers; over-asking is cheap
+    chars_per_token = 1.1 if args.model is None and args.tokenizer is None else 5.0
+    chars = int((train_blocks + eval_blocks + held_blocks) * args.seq_len * chars_per_token)
     if args.dataset is None:
-        return stdlib_documents(chars_needed, seed=args.seed)
-    return load_documents(args.dataset, config=args.dataset_config, split=args.dataset_split,
-                          text_column=args.text_column, max_chars=chars_needed)
+        docs = stdlib_documents(chars, seed=args.seed)
+    else:
+        docs = load_documents(args.dataset, config=args.dataset_config, split=args.dataset_split,
+                              text_column=args.text_column, max_chars=chars)
+    blocks = pack(docs, tokenizer, args.seq_len)
+    n = len(blocks)
+    if args.eval_fraction is not None:
+        eval_blocks = max(1, round((n - held_blocks) * args.eval_fraction))
+    if n - held_blocks - eval_blocks < 1:
+        raise SystemExit(f"error: only {n} blocks of --seq_len {args.seq_len} tokens, {held_blocks} of them held out "
+                         f"for --eval_tokens {args.eval_tokens}: use more data, a shorter --seq_len or fewer --eval_tokens")
+    held_out = torch.tensor(blocks.select(range(n - held_blocks, n))["input_ids"])
+    train = blocks.select(range(n - held_blocks - eval_blocks))
+    evaluation = blocks.select(range(n - held_blocks - eval_blocks, n - held_blocks)) if eval_blocks else None
+    if args.eval_split is not None:
+        docs = load_documents(args.dataset, config=args.dataset_config, split=args.eval_split,
+                              text_column=args.text_column, max_chars=int(held_blocks * args.seq_len * chars_per_token))
+        evaluation = pack(docs, tokenizer, args.seq_len)
+    return Data(train, evaluation, held_out)
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- training
 
 
-def _training_arguments(args, world_size: int):
+def training_arguments(args):
+    import torch
     from transformers import TrainingArguments
 
     fields = TrainingArguments.__dataclass_fields__
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     kwargs = dict(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="cosine",
-        warmup_steps=min(10, args.max_steps // 10), weight_decay=0.0, logging_steps=args.logging_steps,
-        save_strategy="no", report_to=args.report_to, seed=args.seed, bf16=args.torch_dtype == torch.bfloat16,
-        disable_tqdm=args.no_progress, dataloader_drop_last=True, remove_unused_columns=False,
-        use_cpu=not torch.cuda.is_available(),
+        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=min(10, args.max_steps // 10), weight_decay=0.0,
+        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, save_total_limit=args.save_total_limit,
+        eval_strategy="steps" if args.evaluate_during_training else "no", eval_steps=args.eval_steps,
+        prediction_loss_only=True, report_to=args.report_to, seed=args.seed,
+        bf16=args.torch_dtype == torch.bfloat16, disable_tqdm=args.no_progress, dataloader_drop_last=True,
+        remove_unused_columns=False, use_cpu=not torch.cuda.is_available(),
         # Warm-up freezes everything but the indexer; DDP must then tolerate parameters without gradients.
-        ddp_find_unused_parameters=(args.dense_warmup_steps > 0) if world_size > 1 else None,
+        ddp_find_unused_parameters=(args.dense_warmup_steps > 0) if args.world_size > 1 else None,
     )
     kwargs[checkpointing] = not args.no_gradient_checkpointing
     return TrainingArguments(**kwargs)
 
 
-def main(argv=None) -> dict:
-    from transformers import AutoModelForCausalLM, Trainer, set_seed
+def build_trainer(args, model, tokenizer, data: Data, checkpoint: str | None):
+    """The Trainer with HyScaleCallback (first, so reporting integrations log its values) and the
+    recipe's checkpoint, interruption and resume-check callbacks."""
+    from transformers import Trainer
 
-    args = parse_args(argv)
-    on_gpu = torch.cuda.is_available()
-    args.torch_dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
-                        "bfloat16": torch.bfloat16}[args.dtype]
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    set_seed(args.seed)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
+    import hyscale_hf
 
-    model, tokenizer = load_model_and_tokenizer(args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        params = sum(p.numel() for p in model.parameters())
-        print(f"hyscale_hf finetune_long: {args.model or 'glm_moe_dsa built in code (random init)'}, "
-              f"{params / 1e6:.2f}M parameters, {'GPU' if on_gpu else 'CPU'} "
-              f"({'tiny' if args.tiny else 'gpu' if on_gpu else 'cpu'} preset), seq_len {args.seq_len}, "
-              f"{args.max_steps} steps ({args.dense_pretrain_steps} dense pre-training, {args.dense_warmup_steps} dense "
-              "warm-up, then sparse)", flush=True)
-    config_overrides = {}
-    if args.topk is not None:
-        config_overrides["topk"] = args.topk
-    if args.indexer_loss_coef is not None:
-        config_overrides["indexer_loss_coef"] = args.indexer_loss_coef
-    if args.lm_loss_chunk is not None:
-        config_overrides["lm_loss_chunk"] = args.lm_loss_chunk
-    if args.model is not None:
-        for name in ("index_n_heads", "index_head_dim"):
-            if getattr(args, name) is not None:
-                config_overrides[name] = getattr(args, name)
-    hyscale_hf.patch_model(model, **config_overrides)
-    if args.lora_r > 0:
-        model = add_lora(model, args.lora_r)
+    from .checkpoints import (
+        CheckpointFilesCallback,
+        InterruptCallback,
+        LogFinalStepCallback,
+        VerifyResumeCallback,
+        reference_weights,
+        restore_weights,
+    )
 
-    # Enough text for every step plus a held-out block (bytes per token ~ 1 for the byte tokenizer,
-    # ~4 for subword tokenizers; over-asking is cheap).
-    tokens_needed = (args.max_steps * args.batch_size * args.grad_accum * world_size + 2) * args.seq_len + args.eval_tokens
-    chars_per_token = 1.1 if args.model is None and args.tokenizer is None else 5.0
-    datasets.disable_progress_bars()
-    docs = training_documents(args, int(tokens_needed * chars_per_token))
-    blocks = pack(docs, tokenizer, args.seq_len)
-    held_out_blocks = max(1, math.ceil(args.eval_tokens / args.seq_len))
-    if len(blocks) <= held_out_blocks:
-        raise SystemExit(f"only {len(blocks)} blocks of {args.seq_len} tokens; use more data or a shorter --seq_len")
-    train_set = blocks.select(range(len(blocks) - held_out_blocks))
-    eval_ids = torch.tensor(blocks.select(range(len(blocks) - held_out_blocks, len(blocks)))["input_ids"])
-    eval_ids = eval_ids.reshape(1, -1)[:, : args.eval_tokens]
-
-    callback = hyscale_hf.HyScaleCallback(dense_warmup_steps=args.dense_warmup_steps,
-                                          dense_pretrain_steps=args.dense_pretrain_steps)
-    trainer = Trainer(model=model, args=_training_arguments(args, world_size), train_dataset=train_set,
+    trainer = Trainer(model=model, args=training_arguments(args), train_dataset=data.train, eval_dataset=data.eval,
                       processing_class=tokenizer)
-    callback.add_to(trainer)  # ahead of reporting integrations, so they log its values too
-    train_output = trainer.train()
-    train_seconds = time.time() - started
+    hyscale_hf.HyScaleCallback(dense_warmup_steps=args.dense_warmup_steps,
+                               dense_pretrain_steps=args.dense_pretrain_steps).add_to(trainer)
+    interrupt = InterruptCallback()
+    for callback in (LogFinalStepCallback(), CheckpointFilesCallback(args), interrupt):
+        trainer.add_callback(callback)
+    if checkpoint is not None and not trainer.is_fsdp_enabled:
+        # FSDP checkpoints are sharded state dicts, loaded name for name by torch.distributed.checkpoint.
+        reference = reference_weights(trainer.model, checkpoint)
+        restore_weights(trainer.model, reference)
+        trainer.add_callback(VerifyResumeCallback(checkpoint, reference))
+        if args.main_process:
+            print(f"resuming from {checkpoint}: weights loaded as from_pretrained loads them and checked against the "
+                  "checkpoint when training starts (a Transformers warning about missing expert weights is about "
+                  "the Trainer's own load, which these replace)", flush=True)
+    return trainer, interrupt
 
-    # ---- evaluation (every process runs it: FSDP-sharded models need all ranks in each forward)
-    model = trainer.model
-    model.eval()
-    device = next(model.parameters()).device
-    live_config = hyscale_hf.patched_config(model)
-    live_config.dense_warmup = False
-    recall, recall_best = hyscale_hf.measure_topk_recall(model, {"input_ids": eval_ids.to(device)}, return_best=True)
-    builder = PasskeyBuilder(tokenizer, args.passkey_length)
-    passkey = passkey_accuracy(model, builder, args.depths, args.passkey_trials, seed=args.seed + 1)
 
-    # ---- save, reload, compare
+def interrupted(args, trainer, signum: int) -> dict:
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    if args.main_process:
+        print(f"\n{signal.Signals(signum).name}: stopped after step {trainer.state.global_step} of {args.max_steps}; "
+              f"checkpoint in {folder}. Continue with the same command and --resume_from_checkpoint.", flush=True)
+    return {"interrupted_by": signum, "step": trainer.state.global_step, "checkpoint": str(folder)}
+
+
+def save(args, trainer) -> Path:
+    """The trained model and its sparse hyscale_config.json, before any evaluation can fail."""
+    from .checkpoints import CONFIG_FILE, sparse_config_record
+
+    out = Path(args.output_dir)
     if trainer.is_fsdp_enabled:
         # FSDP with SHARDED_STATE_DICT: save_model would write no weights; gather a full checkpoint.
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(out))
-    results = {
-        "model": args.model or "glm_moe_dsa (random init, built in code)",
-        "dataset": args.dataset or "python standard library sources",
-        "seq_len": args.seq_len, "max_steps": args.max_steps, "dense_pretrain_steps": args.dense_pretrain_steps,
-        "dense_warmup_steps": args.dense_warmup_steps,
-        "train_tokens": int(args.max_steps * args.batch_size * args.grad_accum * world_size * args.seq_len),
-        "train_seconds": round(train_seconds, 1), "final_train_loss": train_output.training_loss,
-        "topk": live_config.topk, "topk_recall_held_out": recall, "topk_recall_best_held_out": recall_best,
-        "passkey_accuracy": passkey["accuracy"], "passkey_token_accuracy": passkey["token_accuracy"],
-        "passkey_per_depth": {str(k): v for k, v in passkey["per_depth"].items()},
+    if trainer.is_world_process_zero():
+        (out / CONFIG_FILE).write_text(json.dumps(sparse_config_record(trainer.model), indent=2))
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    return out
+
+
+# ----------------------------------------------------------------------------- evaluation and results
+
+
+def evaluate(args, model, passkey, held_out) -> dict:
+    """Top-k recall on the held-out blocks and passkey retrieval, sparse (every process runs it:
+    FSDP-sharded models need all ranks in each forward)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import hyscale_hf
+
+    from .passkey import passkey_accuracy
+
+    model.eval()
+    device = next(model.parameters()).device
+    config = hyscale_hf.patched_config(model)
+    config.dense_warmup = False
+    quiet = args.no_progress or not args.main_process
+    recalls, bests = [], []
+    for block in tqdm(held_out, desc="top-k recall", disable=quiet):
+        recall, best = hyscale_hf.measure_topk_recall(model, {"input_ids": block[None].to(device)}, return_best=True)
+        if recall is not None:
+            recalls.append(recall)
+            bests.append(best)
+    with torch.no_grad():
+        scores = passkey_accuracy(model, passkey, args.depths, args.passkey_trials, seed=args.seed + 1, progress=not quiet)
+    return {
+        "topk": config.topk, "held_out_tokens": held_out.numel(),
+        "topk_recall_held_out": sum(recalls) / len(recalls) if recalls else None,
+        "topk_recall_best_held_out": sum(bests) / len(bests) if bests else None,
+        "passkey_accuracy": scores["accuracy"], "passkey_token_accuracy": scores["token_accuracy"],
+        "passkey_per_depth": {str(k): v for k, v in scores["per_depth"].items()},
         "selection_stats": hyscale_hf.selection_stats(),
     }
-    if trainer.is_world_process_zero():
-        (out / "hyscale_config.json").write_text(json.dumps(dataclasses.asdict(live_config), indent=2))
-        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-        # A sharded (FSDP) model cannot run a forward on one rank alone: check reloads in one-process runs.
-        if args.lora_r == 0 and world_size == 1:
-            results["reload_max_abs_logit_diff"] = reload_check(AutoModelForCausalLM, out, model,
-                                                                 eval_ids[:, : min(256, eval_ids.shape[1])])
-        curve = plot_training_curves(trainer.state.log_history, args.dense_warmup_steps, out / "loss_curve.png",
-                                     title=f"{results['model']}, {args.seq_len} tokens, top-{live_config.topk}",
-                                     dense_pretrain_steps=args.dense_pretrain_steps)
-        results["loss_curve"] = str(curve)
-        results["total_seconds"] = round(time.time() - started, 1)
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-        print_summary(results, out)
-    return results
 
 
-def reload_check(auto_cls, out: Path, model, ids: torch.Tensor) -> float:
+def reload_check(out: Path, model, ids) -> float:
     """Load the saved checkpoint, patch it with the saved HyScaleConfig, and compare logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hyscale_hf
+
     saved = hyscale_hf.HyScaleConfig(**json.loads((out / "hyscale_config.json").read_text()))
     device = next(model.parameters()).device
-    reloaded = auto_cls.from_pretrained(str(out), dtype=next(model.parameters()).dtype).to(device).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=next(model.parameters()).dtype).to(device).eval()
     hyscale_hf.patch_model(reloaded, saved)
     with torch.no_grad():
         a = model(input_ids=ids.to(device)).logits.float()
@@ -322,25 +375,5 @@ def reload_check(auto_cls, out: Path, model, ids: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def print_summary(results: dict, out: Path) -> None:
-    depth = "  ".join(f"{k}: {v:.2f}" for k, v in results["passkey_per_depth"].items())
-    recall = results["topk_recall_held_out"]
-    print(
-        "\n=== hyscale_hf long-context fine-tuning ===\n"
-        f"model            {results['model']}\n"
-        f"data             {results['dataset']}\n"
-        f"training         {results['train_tokens']} tokens, {results['train_seconds']} s (model, data and training)\n"
-        f"final LM loss    {results['final_train_loss']:.4f}\n"
-        f"top-k recall     {'n/a' if recall is None else f'{recall:.3f}'} (share of the dense attention mass on the "
-        f"indexer's top-{results['topk']} keys, held-out text; the attention's own top-{results['topk']} holds "
-        f"{'n/a' if recall is None else format(results['topk_recall_best_held_out'], '.3f')})\n"
-        f"passkey          accuracy {results['passkey_accuracy']:.2f} (per depth {depth}), "
-        f"token accuracy {results['passkey_token_accuracy']:.2f}\n"
-        + (f"reload check     max |logit diff| {results['reload_max_abs_logit_diff']:.2e}\n"
-           if "reload_max_abs_logit_diff" in results else "")
-        + f"outputs          {out}/ (checkpoint, hyscale_config.json, loss_curve.png, log_history.json, results.json)\n"
-    )
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -80,10 +80,16 @@ class PasskeyBuilder:
 
 
 @torch.no_grad()
-def passkey_accuracy(model, builder: PasskeyBuilder, depths, trials: int, seed: int = 0, batch_size: int = 1) -> dict:
+def passkey_accuracy(
+    model, builder: PasskeyBuilder, depths, trials: int, seed: int = 0, batch_size: int = 1, progress: bool = False
+) -> dict:
     """Retrieval accuracy per depth (fraction of keys whose every token is the argmax) and per-token
-    accuracy, teacher-forced. The model's train/eval mode is left to the caller."""
+    accuracy, teacher-forced. The model's train/eval mode is left to the caller. ``progress`` shows a
+    progress bar over the prompts."""
+    from tqdm.auto import tqdm
+
     rng = random.Random(seed)
+    bar = tqdm(total=len(depths) * trials, desc="passkey", disable=not progress)
     device = next(model.parameters()).device
     per_depth, token_hits, token_total = {}, 0, 0
     for depth in depths:
@@ -102,7 +108,9 @@ def passkey_accuracy(model, builder: PasskeyBuilder, depths, trials: int, seed: 
             hits += int(correct.all(-1).sum())
             token_hits += int(correct.sum())
             token_total += correct.numel()
+            bar.update(len(chunk))
         per_depth[depth] = hits / len(samples)
+    bar.close()
     return {
         "per_depth": per_depth,
         "accuracy": sum(per_depth.values()) / len(per_depth),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import hyscale_hf
@@ -19,13 +20,22 @@ from hyscale_hf.recipes.passkey import PasskeyBuilder
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_script(tmp_path, *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "finetune_long.py"), "--tiny", "--no_progress", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+SCRIPT = ROOT / "scripts" / "finetune_long.py"
+
+
+def script_env() -> dict[str, str]:
+    """Offline, CPU, this tree's hyscale_hf (not another checkout's editable install), and one
+    thread: a one-thread CPU run is bitwise reproducible (parallel reductions are not)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return env
+
+
+def run_script(tmp_path, *args, expect: int = 0, progress: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), "--tiny", *([] if progress else ["--no_progress"]), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -47,6 +57,10 @@ def test_tiny_run_end_to_end(tmp_path):
     history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
     assert [e["hyscale_stage"] for e in history] == [0.0, 1.0, 1.0, 2.0, 2.0, 2.0]
     assert all(e["indexer_loss"] > 0 for e in history)
+    # The final loss is the last step's (logged every step here), the mean is over all six.
+    assert (results["train_loss_last_logged"], results["train_loss_last_logged_step"]) == (history[-1]["loss"], 6)
+    assert results["train_loss_mean_logged_steps"] == sum(e["loss"] for e in history) / 6
+    assert f"{history[-1]['loss']:.4f} at the last logged step (6)" in proc.stdout
 
     # The checkpoint loads in a fresh process state: from_pretrained + patch_model with the saved config.
     from transformers import AutoModelForCausalLM
@@ -60,6 +74,7 @@ def test_tiny_run_end_to_end(tmp_path):
     assert torch.isfinite(first).all() and torch.equal(first, second)
 
 
+@pytest.mark.slow  # three runs, one of them refused after the model is loaded: ~40 s on 2 cores
 def test_local_dense_model_with_lora(tmp_path):
     """--model: a local Llama checkpoint (the patch adds the indexer), LoRA adapters + a fully trained indexer."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,6 +89,22 @@ def test_local_dense_model_with_lora(tmp_path):
     out = tmp_path / "run"
     run_script(tmp_path, "--model", str(tmp_path / "llama"), "--topk", "32", "--index_n_heads", "2",
                "--index_head_dim", "8", "--lora_r", "4", "--lm_loss_chunk", "100", "--output_dir", str(out))
+    _check_lora_run(out)
+    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 8  # default: 2 x rank
+
+    # The LoRA options reach PEFT's config; unknown target modules are refused by name.
+    custom = tmp_path / "custom"
+    run_script(tmp_path, "--model", str(tmp_path / "llama"), "--topk", "32", "--index_n_heads", "2", "--index_head_dim",
+               "8", "--lora_r", "4", "--lora_alpha", "16", "--lora_dropout", "0.1", "--lora_target_modules",
+               "q_proj,v_proj", "--output_dir", str(custom))
+    saved = json.loads((custom / "adapter_config.json").read_text())
+    assert (saved["lora_alpha"], saved["lora_dropout"], sorted(saved["target_modules"])) == (16, 0.1, ["q_proj", "v_proj"])
+    proc = run_script(tmp_path, "--model", str(tmp_path / "llama"), "--lora_r", "4", "--lora_target_modules", "qkv",
+                      "--output_dir", str(tmp_path / "bad"), expect=1)
+    assert "--lora_target_modules ['qkv']" in proc.stderr and "q_proj" in proc.stderr
+
+
+def _check_lora_run(out):
     results = json.loads((out / "results.json").read_text())
     assert results["dense_pretrain_steps"] == 0 and results["topk"] == 32
     assert json.loads((out / "hyscale_config.json").read_text())["lm_loss_chunk"] == 100
@@ -83,6 +114,36 @@ def test_local_dense_model_with_lora(tmp_path):
     assert not any("indexer" in t for t in saved["target_modules"])
     history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
     assert [e["hyscale_stage"] for e in history] == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_model_is_saved_before_evaluation(tmp_path, monkeypatch):
+    """An evaluation that fails costs nothing: the trained model and its config are already written."""
+    from hyscale_hf.recipes import finetune_long
+
+    def failing_evaluation(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(finetune_long, "evaluate", failing_evaluation)
+    out = tmp_path / "run"
+    try:
+        finetune_long.run(["--tiny", "--no_progress", "--output_dir", str(out)])
+    except RuntimeError as e:
+        assert str(e) == "evaluation failed"
+    else:
+        raise AssertionError("the patched evaluation did not run")
+    assert (out / "model.safetensors").is_file() and (out / "log_history.json").is_file()
+    assert json.loads((out / "hyscale_config.json").read_text())["topk"] == 32
+
+
+def test_main_exit_status(monkeypatch):
+    """The console script's exit status: 0 after a run, 128 + signal after an interruption (never the
+    results dict, which sys.exit would print to stderr with status 1)."""
+    from hyscale_hf.recipes import finetune_long
+
+    monkeypatch.setattr(finetune_long, "run", lambda argv=None: {"passkey_accuracy": 0.0})
+    assert finetune_long.main([]) == 0
+    monkeypatch.setattr(finetune_long, "run", lambda argv=None: {"interrupted_by": 15, "step": 3})
+    assert finetune_long.main([]) == 143
 
 
 def test_console_script_entry_point():

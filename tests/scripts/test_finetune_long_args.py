@@ -1,0 +1,117 @@
+"""finetune_long's command line: fast --help, documented options, and bad input refused up front."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hyscale_hf.recipes.args import PRESETS, build_parser, parse_args
+from tests.scripts.test_finetune_long import SCRIPT, run_script, script_env
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    probe = ("import sys\nfrom hyscale_hf.recipes.finetune_long import main\n"
+             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], env=script_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("[]"), proc.stdout[-500:]
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], env=script_env(), capture_output=True, text=True,
+                          timeout=60)
+    seconds = time.perf_counter() - started
+    assert proc.returncode == 0 and "--resume_from_checkpoint" in proc.stdout
+    assert seconds < 1.5, f"--help took {seconds:.2f} s"
+
+
+def test_every_option_is_documented_once_with_its_preset_values():
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        assert action.help.count("default") <= 1, f"{action.option_strings}: default given twice: {action.help}"
+    epilog = parser.epilog
+    for key in PRESETS["cpu"]:
+        row = next(line for line in epilog.splitlines() if line.strip().startswith(f"--{key} "))
+        cells = row.split()[1:]
+        assert cells == ["--" if PRESETS[p][key] is None else str(PRESETS[p][key]) for p in PRESETS], row
+
+
+def _error(capsys, argv, on_gpu=False) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, on_gpu=on_gpu)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--passkey_depths", "1.5"], "--passkey_depths: [1.5] outside [0, 1]"),
+    (["--passkey_depths", "half"], "--passkey_depths 'half'"),
+    (["--seq_len", "0"], "--seq_len must be positive"),
+    (["--tiny", "--max_steps", "10", "--logging_steps", "20"], "--logging_steps 20 exceeds --max_steps 10"),
+    (["--max_steps", "50"], "--dense_pretrain_steps 60 + --dense_warmup_steps 20 exceed --max_steps 50"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--topk", "8", "--index_topk", "16"], "--topk 8 and --index_topk 16 name the same setting"),
+    (["--model", "/nonexistent"], "--model /nonexistent: no such file or folder"),
+    (["--model", "/tmp", "--hidden_size", "64"], "--hidden_size shapes the built model only"),
+    (["--dataset", "/nonexistent/train.jsonl"], "--dataset /nonexistent/train.jsonl: no such file or folder"),
+    (["--dataset", "missing_local.jsonl"], "--dataset missing_local.jsonl: no such file or folder"),
+    (["--lora_alpha", "8"], "--lora_alpha needs --lora_r > 0"),
+    (["--lora_r", "4", "--lora_dropout", "1.0"], "--lora_dropout must be in [0, 1)"),
+    (["--lora_r", "4", "--lora_target_modules", "q_proj,indexer"], "do not adapt it with LoRA"),
+    (["--eval_fraction", "1.5"], "--eval_fraction must be in (0, 1)"),
+    (["--eval_split", "validation"], "--eval_split needs a hub --dataset"),
+    (["--eval_steps", "5"], "--eval_steps needs an evaluation set"),
+    (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "--resume_from_checkpoint /nonexistent/checkpoint-3: no such folder"),
+    (["--resume_from_checkpoint", "--overwrite_output_dir"], "give one"),
+])
+def test_bad_arguments_are_refused_by_name(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert message in _error(capsys, argv)
+
+
+def test_model_folder_without_config(capsys, tmp_path):
+    assert f"--model {tmp_path}: not a model folder (no config.json" in _error(capsys, ["--model", str(tmp_path)])
+
+
+def test_preset_values_fill_what_is_left_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = parse_args(["--max_steps", "4", "--dense_pretrain_steps", "1", "--dense_warmup_steps", "1"], on_gpu=False)
+    assert (args.seq_len, args.logging_steps, args.passkey_length) == (1024, 4, 1024)  # preset logging interval capped
+    assert parse_args(["--index_topk", "16"], on_gpu=False).topk == 16  # the old name still works
+    gpu = parse_args([], on_gpu=True)
+    assert (gpu.preset, gpu.seq_len, gpu.topk) == ("gpu", 8192, 512)
+    lora = parse_args(["--lora_r", "4", "--lora_target_modules", "q_proj, v_proj"], on_gpu=False)
+    assert (lora.lora_alpha, lora.lora_target_modules) == (8.0, ["q_proj", "v_proj"])
+
+
+def test_output_folder_is_never_overwritten_silently(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "results.json").write_text("{}")
+    assert f"--output_dir {out} is not empty" in _error(capsys, ["--output_dir", str(out)])
+    args = parse_args(["--output_dir", str(out), "--overwrite_output_dir"], on_gpu=False)
+    from hyscale_hf.recipes.checkpoints import prepare_output_dir
+
+    prepare_output_dir(args)  # a stale checkpoint would be what a later bare --resume_from_checkpoint picks
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]
+
+
+def test_bad_input_fails_in_seconds_before_any_model(tmp_path):
+    """In a fresh process: argument errors before torch is imported, a passkey length that cannot hold a
+    prompt once the tokenizer is loaded; no model is built and nothing written."""
+    started = time.perf_counter()
+    proc = run_script(tmp_path, "--passkey_depths", "0.5,1.5", "--output_dir", str(tmp_path / "a"), expect=2)
+    assert "--passkey_depths: [1.5] outside [0, 1]" in proc.stderr
+    assert time.perf_counter() - started < 5
+    # Not --tiny's preset: its passkey prompts are 400 tokens long whatever the sequence length.
+    cmd = [sys.executable, str(SCRIPT), "--no_progress", "--seq_len", "256", "--output_dir", str(tmp_path / "b")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert re.search(r"--passkey_length 256: passkey prompts need more than \d+ tokens", proc.stderr)
+    assert "parameters" not in proc.stdout  # the model-summary line: no model was built
+    assert not any((tmp_path / "b").iterdir())
