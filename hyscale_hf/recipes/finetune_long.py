@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .args import parse_args
-from .report import BUILT_MODEL_NAME, describe_training, write_results
+from .report import describe_training, model_label, write_results
 
 
 @dataclass
@@ -60,21 +60,30 @@ def run(argv=None) -> dict:
     started = time.time()
     setup(args)
     from .checkpoints import prepare_output_dir, resolve_resume
+    from .evaluate import WarmupEvaluationCallback, stage_evaluation
 
     checkpoint = resolve_resume(args)
     prepare_output_dir(args)
     tokenizer = load_tokenizer(args)
     passkey = passkey_builder(args, tokenizer)
     data = prepare_data(args, tokenizer)
-    model = patch(args, load_model(args, tokenizer))
+    model = load_model(args, tokenizer)
+    evaluations = {"dense": stage_evaluation(args, "dense", model, passkey, data.held_out, checkpoint)}
+    model = patch(args, model)
+    evaluations["sparse_fresh_indexer"] = stage_evaluation(args, "sparse_fresh_indexer", model, passkey,
+                                                           data.held_out, checkpoint)
     trainer, interrupt = build_trainer(args, model, tokenizer, data, checkpoint)
+    after_warmup = WarmupEvaluationCallback(args, passkey, data.held_out, checkpoint)  # "sparse after warm-up"
+    trainer.add_callback(after_warmup)
     trainer.train(resume_from_checkpoint=checkpoint)
     if interrupt.signum is not None:
         return interrupted(args, trainer, interrupt.signum)
     train_seconds = time.time() - started
     out = save(args, trainer)
     results = describe_training(args, trainer, checkpoint, train_seconds)
-    results |= evaluate(args, trainer.model, passkey, data.held_out)
+    final = stage_evaluation(args, "sparse_after_training", trainer.model, passkey, data.held_out, None)
+    evaluations |= after_warmup.result | {"sparse_after_training": final}
+    results |= summarize_evaluations(evaluations, final)
     if trainer.is_world_process_zero():
         # A sharded (FSDP) model cannot run a forward on one rank alone: check reloads in one-process runs.
         if args.lora_r == 0 and args.world_size == 1:
@@ -103,9 +112,11 @@ def load_tokenizer(args):
 
     from .data import byte_tokenizer
 
-    if args.tokenizer is None and args.model is None:
+    if args.tokenizer is not None:
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.model is None:
         return byte_tokenizer()
-    return AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    return AutoTokenizer.from_pretrained(args.model_source.path, **args.model_source.kwargs())
 
 
 def passkey_builder(args, tokenizer):
@@ -144,28 +155,48 @@ def load_model(args, tokenizer):
     if args.model is None:
         model = build_glm5_model(args, tokenizer)
     else:
-        from transformers import AutoModelForCausalLM
+        from .pretrained import load_pretrained
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype)
+        model, _ = load_pretrained(args.model_source, dtype=args.torch_dtype, config_overrides=context_extension(args))
         if model.config.model_type not in hyscale_hf.supported_model_types():
             raise SystemExit(f"error: --model {args.model} is a {model.config.model_type!r} model; supported: "
                              f"{', '.join(hyscale_hf.supported_model_types())}")
     if args.main_process:
         params = sum(p.numel() for p in model.parameters())
-        print(f"hyscale_hf finetune_long: {args.model or BUILT_MODEL_NAME}, {params / 1e6:.2f}M parameters, "
+        print(f"hyscale_hf finetune_long: {model_label(args)}, {params / 1e6:.2f}M parameters, "
               f"{args.preset} preset, seq_len {args.seq_len}, {args.max_steps} steps ({args.dense_pretrain_steps} "
               f"dense pre-training, {args.dense_warmup_steps} dense warm-up, then sparse)", flush=True)
     return model
 
 
+def context_extension(args) -> dict | None:
+    """Config overrides that stretch a pretrained model's RoPE with YaRN (``--rope_yarn_factor``)."""
+    if args.rope_yarn_factor is None:
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model_source.path, **args.model_source.kwargs())
+    rope = dict(getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)})
+    if rope.get("rope_type", "default") != "default":
+        raise SystemExit(f"error: --rope_yarn_factor: {args.model} already scales its RoPE ({rope}); leave it out")
+    context = int(config.max_position_embeddings)
+    rope |= {"rope_type": "yarn", "factor": float(args.rope_yarn_factor), "original_max_position_embeddings": context}
+    return {"rope_parameters": rope, "max_position_embeddings": int(context * args.rope_yarn_factor)}
+
+
 def patch(args, model):
-    """``patch_model`` with the command line's overrides, then LoRA if asked for."""
+    """``patch_model`` with the command line's overrides, then LoRA if asked for. A dense model keeps
+    ``seq_len / TOPK_FRACTION`` keys per query unless ``--topk`` is given (a DSA model its own index_topk)."""
     import hyscale_hf
+
+    from .args import TOPK_FRACTION
 
     overrides = {name: getattr(args, name) for name in ("indexer_loss_coef", "lm_loss_chunk")
                  if getattr(args, name) is not None}
-    if "topk" in args.given:
+    if "topk" in args.given or args.model is None:
         overrides["topk"] = args.topk
+    elif getattr(model.config, "index_topk", None) is None:
+        overrides["topk"] = max(1, args.seq_len // TOPK_FRACTION)
     if args.model is not None:
         overrides |= {n: getattr(args, n) for n in ("index_n_heads", "index_head_dim") if getattr(args, n) is not None}
     hyscale_hf.patch_model(model, **overrides)
@@ -219,21 +250,37 @@ def prepare_data(args, tokenizer) -> Data:
     else:
         docs = load_documents(args.dataset, config=args.dataset_config, split=args.dataset_split,
                               text_column=args.text_column, max_chars=chars)
+    held_docs, docs = split_held_out(docs, tokenizer, args.seq_len, held_blocks)
+    held_out = torch.tensor(pack(held_docs, tokenizer, args.seq_len).select(range(held_blocks))["input_ids"])
     blocks = pack(docs, tokenizer, args.seq_len)
     n = len(blocks)
     if args.eval_fraction is not None:
-        eval_blocks = max(1, round((n - held_blocks) * args.eval_fraction))
-    if n - held_blocks - eval_blocks < 1:
-        raise SystemExit(f"error: only {n} blocks of --seq_len {args.seq_len} tokens, {held_blocks} of them held out "
-                         f"for --eval_tokens {args.eval_tokens}: use more data, a shorter --seq_len or fewer --eval_tokens")
-    held_out = torch.tensor(blocks.select(range(n - held_blocks, n))["input_ids"])
-    train = blocks.select(range(n - held_blocks - eval_blocks))
-    evaluation = blocks.select(range(n - held_blocks - eval_blocks, n - held_blocks)) if eval_blocks else None
+        eval_blocks = max(1, round(n * args.eval_fraction))
+    if n - eval_blocks < 1:
+        raise SystemExit(f"error: only {n} training blocks of --seq_len {args.seq_len} tokens left after holding out "
+                         f"documents for --eval_tokens {args.eval_tokens}: use more data, a shorter --seq_len or fewer "
+                         "--eval_tokens")
+    train = blocks.select(range(n - eval_blocks))
+    evaluation = blocks.select(range(n - eval_blocks, n)) if eval_blocks else None
     if args.eval_split is not None:
         docs = load_documents(args.dataset, config=args.dataset_config, split=args.eval_split,
                               text_column=args.text_column, max_chars=int(held_blocks * args.seq_len * chars_per_token))
         evaluation = pack(docs, tokenizer, args.seq_len)
     return Data(train, evaluation, held_out)
+
+
+def split_held_out(docs: list[str], tokenizer, seq_len: int, blocks: int) -> tuple[list[str], list[str]]:
+    """``(held_out, rest)``: the last documents, as few as give ``blocks`` whole blocks of ``seq_len``
+    tokens. The held-out text is split by document, so no training block shares a document with it."""
+    eos = 1  # the EOS that joins packed documents
+    need, taken, tokens = blocks * seq_len, 0, 0
+    while tokens < need:
+        taken += 1
+        if taken >= len(docs):
+            raise SystemExit(f"error: the data holds too few documents to hold out {blocks} blocks of --seq_len "
+                             f"{seq_len} tokens for --eval_tokens and still train: use more data or fewer --eval_tokens")
+        tokens += len(tokenizer(docs[-taken], add_special_tokens=False)["input_ids"]) + eos
+    return docs[-taken:], docs[:-taken]
 
 
 # ----------------------------------------------------------------------------- training
@@ -262,11 +309,42 @@ def training_arguments(args):
     return TrainingArguments(**kwargs)
 
 
+def _trainer_class():
+    """The Trainer with the indexer in param groups of its own, at ``indexer_lr``.
+
+    A pretrained model fine-tunes at a small rate (DeepSeek's sparse stage: 7.3e-6) while a fresh
+    indexer needs a large one (its warm-up: 1e-3); one schedule scales both. The Trainer's own
+    groups are split, so weight decay, FSDP2's meshes and checkpoints work as they do without.
+    """
+    from transformers import Trainer
+
+    import hyscale_hf
+
+    class IndexerLrTrainer(Trainer):
+        def __init__(self, *args, indexer_lr: float, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.indexer_lr = indexer_lr
+
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            opt_model = self.model if model is None else model
+            names = set(hyscale_hf.indexer_parameter_names(opt_model))
+            indexer = {id(p) for n, p in opt_model.named_parameters() if n in names}
+            groups = []
+            for group in optimizer.param_groups:
+                mine = [p for p in group["params"] if id(p) in indexer]
+                group["params"] = [p for p in group["params"] if id(p) not in indexer]
+                groups += [group] if group["params"] else []
+                groups += [{**group, "params": mine, "lr": self.indexer_lr}] if mine else []
+            optimizer.param_groups = groups
+            return optimizer
+
+    return IndexerLrTrainer
+
+
 def build_trainer(args, model, tokenizer, data: Data, checkpoint: str | None):
     """The Trainer with HyScaleCallback (first, so reporting integrations log its values) and the
     recipe's checkpoint, interruption and resume-check callbacks."""
-    from transformers import Trainer
-
     import hyscale_hf
 
     from .checkpoints import (
@@ -278,8 +356,8 @@ def build_trainer(args, model, tokenizer, data: Data, checkpoint: str | None):
         restore_weights,
     )
 
-    trainer = Trainer(model=model, args=training_arguments(args), train_dataset=data.train, eval_dataset=data.eval,
-                      processing_class=tokenizer)
+    trainer = _trainer_class()(model=model, args=training_arguments(args), train_dataset=data.train,
+                               eval_dataset=data.eval, processing_class=tokenizer, indexer_lr=args.indexer_lr)
     hyscale_hf.HyScaleCallback(dense_warmup_steps=args.dense_warmup_steps,
                                dense_pretrain_steps=args.dense_pretrain_steps).add_to(trainer)
     interrupt = InterruptCallback()
@@ -325,37 +403,23 @@ def save(args, trainer) -> Path:
 # ----------------------------------------------------------------------------- evaluation and results
 
 
-def evaluate(args, model, passkey, held_out) -> dict:
-    """Top-k recall on the held-out blocks and passkey retrieval, sparse (every process runs it:
-    FSDP-sharded models need all ranks in each forward)."""
-    import torch
-    from tqdm.auto import tqdm
-
+def summarize_evaluations(evaluations: dict, final: dict) -> dict:
+    """The four evaluations side by side, with the ratios the recipe is judged by, and the final
+    state's figures under the keys earlier results.json files had."""
+    dense_ppl = evaluations["dense"]["perplexity"]
+    ratios = {f"perplexity_ratio_{name}": ev["perplexity"] / dense_ppl for name, ev in evaluations.items() if name != "dense"}
+    for name, ev in evaluations.items():
+        if ev.get("topk_recall") is not None and ev.get("topk_recall_best"):
+            ratios[f"recall_over_ceiling_{name}"] = ev["topk_recall"] / ev["topk_recall_best"]
+    out = {"evaluation": evaluations, "evaluation_ratios": ratios, "topk": final["topk"],
+           "held_out_tokens": final["tokens"],
+           "topk_recall_held_out": final["topk_recall"], "topk_recall_best_held_out": final["topk_recall_best"]}
+    for key in ("passkey_accuracy", "passkey_token_accuracy", "passkey_per_depth"):
+        if key in final:
+            out[key] = final[key]
     import hyscale_hf
 
-    from .passkey import passkey_accuracy
-
-    model.eval()
-    device = next(model.parameters()).device
-    config = hyscale_hf.patched_config(model)
-    config.dense_warmup = False
-    quiet = args.no_progress or not args.main_process
-    recalls, bests = [], []
-    for block in tqdm(held_out, desc="top-k recall", disable=quiet):
-        recall, best = hyscale_hf.measure_topk_recall(model, {"input_ids": block[None].to(device)}, return_best=True)
-        if recall is not None:
-            recalls.append(recall)
-            bests.append(best)
-    with torch.no_grad():
-        scores = passkey_accuracy(model, passkey, args.depths, args.passkey_trials, seed=args.seed + 1, progress=not quiet)
-    return {
-        "topk": config.topk, "held_out_tokens": held_out.numel(),
-        "topk_recall_held_out": sum(recalls) / len(recalls) if recalls else None,
-        "topk_recall_best_held_out": sum(bests) / len(bests) if bests else None,
-        "passkey_accuracy": scores["accuracy"], "passkey_token_accuracy": scores["token_accuracy"],
-        "passkey_per_depth": {str(k): v for k, v in scores["per_depth"].items()},
-        "selection_stats": hyscale_hf.selection_stats(),
-    }
+    return out | {"selection_stats": hyscale_hf.selection_stats()}
 
 
 def reload_check(out: Path, model, ids) -> float:

@@ -81,7 +81,8 @@ class PasskeyBuilder:
 
 @torch.no_grad()
 def passkey_accuracy(
-    model, builder: PasskeyBuilder, depths, trials: int, seed: int = 0, batch_size: int = 1, progress: bool = False
+    model, builder: PasskeyBuilder, depths, trials: int, seed: int = 0, batch_size: int = 1, progress: bool = False,
+    desc: str = "passkey",
 ) -> dict:
     """Retrieval accuracy per depth (fraction of keys whose every token is the argmax) and per-token
     accuracy, teacher-forced. The model's train/eval mode is left to the caller. ``progress`` shows a
@@ -89,7 +90,7 @@ def passkey_accuracy(
     from tqdm.auto import tqdm
 
     rng = random.Random(seed)
-    bar = tqdm(total=len(depths) * trials, desc="passkey", disable=not progress)
+    bar = tqdm(total=len(depths) * trials, desc=desc, disable=not progress, leave=False)
     device = next(model.parameters()).device
     per_depth, token_hits, token_total = {}, 0, 0
     for depth in depths:

@@ -10,13 +10,17 @@ from pathlib import Path
 BUILT_MODEL_NAME = "glm_moe_dsa (random init, built in code)"
 
 
+def model_label(args) -> str:
+    return BUILT_MODEL_NAME if args.model is None else args.model_source.label
+
+
 def describe_training(args, trainer, checkpoint, train_seconds: float) -> dict:
     """What was trained, with the LM loss of the last logged step and its mean over the logged steps."""
     train = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
     # Each entry is the mean over the steps since the one before: weight it by their number.
     spans = [e["step"] - (p["step"] if p else 0) for p, e in zip([None, *train[:-1]], train)]
     results = {
-        "model": args.model or BUILT_MODEL_NAME, "dataset": args.dataset or "python standard library sources",
+        "model": model_label(args), "dataset": args.dataset or "python standard library sources",
         "seq_len": args.seq_len, "max_steps": args.max_steps, "dense_pretrain_steps": args.dense_pretrain_steps,
         "dense_warmup_steps": args.dense_warmup_steps,
         "train_tokens": int(args.max_steps * args.batch_size * args.grad_accum * args.world_size * args.seq_len),
