@@ -7,14 +7,7 @@
 The logic lives in ``hyscale_hf/recipes/finetune_long.py``.
 """
 
-import sys
-from pathlib import Path
-
-try:
-    from hyscale_hf.recipes.finetune_long import main
-except ImportError:  # run from a source checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hyscale_hf.recipes.finetune_long import main
+from hyscale_hf.recipes.finetune_long import main
 
 if __name__ == "__main__":
     main()
