@@ -25,8 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .kernels import _selection_counts
-from .kernels.hytopk import hytopk_op
+from .kernels.topk import hytopk_op, selection_counts
 from .state import in_backward
 
 # ----------------------------------------------------------------------------- IndexShare op
@@ -76,8 +75,8 @@ def selection_stats() -> dict[str, int]:
     - ``verified_selections``: replayed selections that verify mode recomputed and compared.
     """
     return {
-        "indexer_forward": _selection_counts.RUNS["forward"],
-        "indexer_recompute": _selection_counts.RUNS["recompute"],
+        "indexer_forward": selection_counts.RUNS["forward"],
+        "indexer_recompute": selection_counts.RUNS["recompute"],
         "shared_forward": _SHARED_RUNS["forward"],
         "shared_recompute": _SHARED_RUNS["recompute"],
         **_REPLAY,
@@ -85,7 +84,7 @@ def selection_stats() -> dict[str, int]:
 
 
 def reset_selection_stats() -> None:
-    _selection_counts.reset()
+    selection_counts.reset()
     for counts in (_SHARED_RUNS, _REPLAY):
         for key in counts:
             counts[key] = 0

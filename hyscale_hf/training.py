@@ -20,7 +20,9 @@ from contextlib import contextmanager
 import torch
 
 from .config import HyScaleConfig
-from .kernels import reference
+from .kernels.indexer_kl.naive import attention_target
+from .kernels.topk.naive import indexer_logits_block, select_topk
+from .kernels.windows import chunk_budget_bytes, query_windows, visible_mask
 from .state import PatchState, base_model, in_backward, patch_state
 
 INDEXER_MODULE_NAME = "indexer"
@@ -96,7 +98,7 @@ def topk_recall(
     B, S, H, _ = index_q.shape
     T = index_k.shape[1]
     device = index_q.device
-    start, end = reference.query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=device)
+    start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=device)
     eligible = ((end - start + 1) > topk).flatten().nonzero().squeeze(1)
     if eligible.numel() == 0:
         empty = torch.empty(0, dtype=torch.float32, device=device)
@@ -108,15 +110,15 @@ def topk_recall(
     recall, best = [], []
     for b in rows.unique().tolist():
         queries = cols[rows == b]
-        chunk = max(1, reference.chunk_budget_bytes(device) // (4 * heads * T))  # [c, H, window] fp32 scores
+        chunk = max(1, chunk_budget_bytes(device) // (4 * heads * T))  # [c, H, window] fp32 scores
         for c0 in range(0, queries.numel(), chunk):
             qs = queries[c0 : c0 + chunk]
             st, en = start[b : b + 1, qs], end[b : b + 1, qs]
             lo, hi = int(st.min()), int(en.max()) + 1
-            visible = reference._visible_mask(st, en, lo, hi)
-            scores = reference.indexer_logits_block(index_q[b : b + 1, qs], index_k[b : b + 1, lo:hi], index_w[b : b + 1, qs], relu)
-            idx, _ = reference.select_topk(scores, visible, topk, key_offset=lo)
-            p = reference._attention_target(attn_q[b : b + 1, qs], attn_k[b : b + 1, lo:hi], visible, scale, None)
+            visible = visible_mask(st, en, lo, hi)
+            scores = indexer_logits_block(index_q[b : b + 1, qs], index_k[b : b + 1, lo:hi], index_w[b : b + 1, qs], relu)
+            idx, _ = select_topk(scores, visible, topk, key_offset=lo)
+            p = attention_target(attn_q[b : b + 1, qs], attn_k[b : b + 1, lo:hi], visible, scale, None)
             valid = idx >= 0
             kept = p.gather(-1, (idx.long() - lo).clamp_min(0)).masked_fill(~valid, 0.0).sum(-1)
             recall.append(kept.reshape(-1).float())

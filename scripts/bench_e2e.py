@@ -25,15 +25,12 @@ import gc
 import json
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  # noqa: E402
-
-import hyscale_hf  # noqa: E402
-from hyscale_hf.kernels import chunked_cross_entropy  # noqa: E402
+import hyscale_hf
+from hyscale_hf.benchmarking.glm5 import GLM5, TINY, build_model, enable_checkpointing, time_ms
+from hyscale_hf.kernels import chunked_cross_entropy
 
 ARMS = ("hyscale", "native", "dense", "replay_off", "lean_off")
 DEFAULT_ARMS = ARMS[:4]

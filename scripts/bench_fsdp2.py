@@ -1,8 +1,8 @@
 """Benchmark: a GLM-5-shaped stack trained with accelerate FSDP2 on 2 GPUs against 1 GPU.
 
-The model is bench_replay.py's GLM-5-shaped ``glm_moe_dsa`` stack (hidden 6144, 64 heads, q_lora 2048,
-kv_lora 512, qk_nope 192, rope 64, v 256, 32 indexer heads of dim 128, topk 2048, dense MLPs of
-12288, vocab 32000), ``--layers`` layers, seeded random init, patched by hyscale_hf, each decoder
+The model is the GLM-5-shaped ``glm_moe_dsa`` stack of ``hyscale_hf.benchmarking.glm5`` (hidden
+6144, 64 heads, q_lora 2048, kv_lora 512, qk_nope 192, rope 64, v 256, 32 indexer heads of dim
+128, topk 2048, dense MLPs of 12288, vocab 32000), ``--layers`` layers, seeded random init, patched by hyscale_hf, each decoder
 layer checkpointed by ``hyscale_hf.wrap_layers_for_replay`` (selection replay), AdamW. Every
 optimizer step takes the same global batch of ``--global_batch`` sequences of ``--seq_len`` random
 tokens; each process runs its share one sequence at a time (gradient accumulation), so a 1-process
@@ -24,7 +24,6 @@ repository root (PYTHONPATH=. or the package installed):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -35,16 +34,7 @@ from pathlib import Path
 import torch
 
 import hyscale_hf
-from hyscale_hf.state import patch_state
-
-
-def _bench_replay():
-    """bench_replay.py's GLM-5-shaped dims and model builder (one definition of the shape)."""
-    path = Path(__file__).resolve().parent / "bench_replay.py"
-    spec = importlib.util.spec_from_file_location("bench_replay", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from hyscale_hf.benchmarking.glm5 import GLM5, TINY, build_model
 
 
 def run(args) -> dict:
@@ -55,15 +45,14 @@ def run(args) -> dict:
     if args.global_batch % world:
         raise ValueError(f"--global_batch {args.global_batch} does not split over {world} processes")
     per_rank = args.global_batch // world
-    replay = _bench_replay()
-    dims = replay.TINY if args.tiny else replay.GLM5
+    dims = TINY if args.tiny else GLM5
     # fp32 weights: with mixed_precision bf16, accelerate's FSDP2 keeps fp32 sharded masters and
     # computes in bf16 (it would upcast bf16 trainable weights to fp32 anyway).
-    model = replay.build_model(dims, args.layers, args.seq_len, device, torch.float32)
+    model = build_model(dims, args.layers, args.seq_len, device, torch.float32)
     hyscale_hf.patch_model(model, indexer_loss_coef=args.indexer_loss_coef)
     hyscale_hf.wrap_layers_for_replay(model)
     model.config.use_cache = False
-    state = patch_state(model)
+    state = hyscale_hf.patching.patch_state(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
 

@@ -11,27 +11,25 @@ same run. Also one HyTopK run at 1M tokens (--million). Writes JSON and a PNG pl
     python scripts/bench_hytopk.py --out results/ [--lengths 8192 32768 131072] [--million]
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
-columns (scan kernel only, scoring only) use private knobs of ``_hytopk_triton``; everything else
-uses the public API. ``ours_kernel_ms``: GPU time per HyTopK kernel in one call (torch.profiler).
-Run from the repository root with the package installed (or PYTHONPATH=.).
+columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
+``config``, ``cap`` and ``profile`` arguments). ``ours_kernel_ms``: GPU time per HyTopK kernel in one
+call (torch.profiler).
+Run from the repository root with the package installed (``pip install -e .``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
-import sys
 import time
 
 import torch
+import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import cuda_median_ms  # noqa: E402
-
-from hyscale_hf.kernels import hytopk, hytopk_stats, reset_hytopk_stats  # noqa: E402
+from hyscale_hf.benchmarking.timing import cuda_median_ms
+from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
 
 H, D, TOPK = 32, 128, 2048
 GiB = 2**30
@@ -60,7 +58,7 @@ def kernel_ms(fn, reps: int) -> dict:
         torch.cuda.synchronize()
     out: dict = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("_hytopk_"):
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("hytopk_"):
             out[e.name] = out.get(e.name, 0.0) + e.device_time / 1e3 / reps
     return out
 
@@ -117,15 +115,15 @@ def transformers_style_topk(q, k, w, topk):
     return scores.topk(min(topk, T), dim=-1).indices
 
 
-def bench_lengths(lengths, reps, tflops, stats_mod):
+def bench_lengths(lengths, reps, tflops):
     rows = []
     for T in lengths:
-        rows.append(bench_one(T, reps, tflops, stats_mod))
+        rows.append(bench_one(T, reps, tflops))
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_one(T, reps, tflops, stats_mod):
+def bench_one(T, reps, tflops):
     q, k, w = make_inputs(T)
     floor_ms = 4096 * T**2 / (tflops * 1e12) * 1e3
     r = {"T": T, "floor_ms": floor_ms}
@@ -139,9 +137,9 @@ def bench_one(T, reps, tflops, stats_mod):
     r["ours_peak_extra_gib"] = peak_extra_bytes(ours) / GiB
     r["outputs_gib"] = T * TOPK * 4 / GiB
     # where the time goes: the scan kernel without the final per-row selection, and scoring alone
-    scan_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, scan_only=True)  # noqa: E731
+    scan_only = lambda: hytopk_triton(q, k, w, TOPK, profile="scan")  # noqa: E731
     r["ours_scan_only_ms"] = cuda_median_ms(scan_only, n)
-    score_only = lambda: stats_mod._hytopk_triton(q, k, w, TOPK, score_only=True)  # noqa: E731
+    score_only = lambda: hytopk_triton(q, k, w, TOPK, profile="scoring")  # noqa: E731
     r["ours_scoring_only_ms"] = cuda_median_ms(score_only, n)
     r["ours_kernel_ms"] = kernel_ms(ours, 2)
     chunked = lambda: chunked_torch_topk(q, k, w, TOPK)  # noqa: E731
@@ -166,7 +164,7 @@ def bench_one(T, reps, tflops, stats_mod):
     return r
 
 
-def bench_million(T, tflops, stats_mod):
+def bench_million(T, tflops):
     q, k, w = make_inputs(T)
     # A whole untimed call first: the timed one then compiles nothing (Triton specialises the
     # kernels on integer arguments such as the chunk size, so a smaller warm-up call can miss
@@ -195,25 +193,25 @@ def bench_million(T, tflops, stats_mod):
     return r
 
 
-def sweep(T, tflops, stats_mod, reps, configs):
+def sweep(T, tflops, reps, configs):
     """Time (config, cap) pairs: full op, scan kernel only, scoring only. Returns [(full_ms, config, cap)]."""
     q, k, w = make_inputs(T)
     ref = hytopk(q, k, w, TOPK, backend="triton")
     print(f"sweep T={T}: floor {4096 * T**2 / (tflops * 1e12) * 1e3:.2f} ms", flush=True)
     results = []
     for c, cap in configs:
-        run = lambda c=c, cap=cap, **kw: stats_mod._hytopk_triton(q, k, w, TOPK, config=c, cap=cap, **kw)  # noqa: E731
+        run = lambda c=c, cap=cap, **kw: hytopk_triton(q, k, w, TOPK, config=c, cap=cap, **kw)  # noqa: E731
         try:
             t0 = time.perf_counter()
             same = torch.equal(run()[0], ref)
             torch.cuda.synchronize()
             comp = time.perf_counter() - t0
-            stats_mod.reset_hytopk_stats()
+            reset_hytopk_stats()
             full = cuda_median_ms(run, reps)
-            st = stats_mod.hytopk_stats()
-            scan = cuda_median_ms(lambda run=run: run(scan_only=True), reps)
-            so = cuda_median_ms(lambda run=run: run(score_only=True), reps)
-            per_kernel = "  ".join(f"{name[8:-7]} {ms:.2f}" for name, ms in kernel_ms(run, 2).items())
+            st = hytopk_stats()
+            scan = cuda_median_ms(lambda run=run: run(profile="scan"), reps)
+            so = cuda_median_ms(lambda run=run: run(profile="scoring"), reps)
+            per_kernel = "  ".join(f"{name[7:-7]} {ms:.2f}" for name, ms in kernel_ms(run, 2).items())
             print(
                 f"{c} cap={cap}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
@@ -226,8 +224,8 @@ def sweep(T, tflops, stats_mod, reps, configs):
     return sorted(results, key=lambda r: r[0])
 
 
-def sweep_configs(stats_mod):
-    cfg = stats_mod.HyTopKConfig
+def sweep_configs():
+    cfg = HyTopKConfig
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
@@ -277,23 +275,22 @@ def main():
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    stats_mod = importlib.import_module("hyscale_hf.kernels.hytopk")
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
-        ranked = sweep(a.sweep[0], tflops, stats_mod, a.reps, sweep_configs(stats_mod))
+        ranked = sweep(a.sweep[0], tflops, a.reps, sweep_configs())
         for T in a.sweep[1:]:
             torch.cuda.empty_cache()
-            sweep(T, tflops, stats_mod, 2, [(c, cap) for _, c, cap in ranked[:3]])
+            sweep(T, tflops, 2, [(c, cap) for _, c, cap in ranked[:3]])
         if not a.lengths_after_sweep:
             return
         a.lengths = a.lengths_after_sweep
-    rows = bench_lengths(a.lengths, a.reps, tflops, stats_mod)
-    million = bench_million(2**20, tflops, stats_mod) if a.million else None
+    rows = bench_lengths(a.lengths, a.reps, tflops)
+    million = bench_million(2**20, tflops) if a.million else None
     os.makedirs(a.out, exist_ok=True)
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": importlib.import_module("triton").__version__, "H": H, "D": D, "topk": TOPK,
+        "triton": triton.__version__, "H": H, "D": D, "topk": TOPK,
         "bf16_matmul_tflops": tflops, "rows": rows, "million": million,
     }  # fmt: skip
     with open(os.path.join(a.out, "bench_hytopk.json"), "w") as f:

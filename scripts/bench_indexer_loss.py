@@ -4,7 +4,8 @@ One causal sequence (B = 1, S = T), bf16, indexer H = 32, D = 128, K = 2048, wit
 lse given (the sparse stage has it from sparse_attention) and, for ours, also without it. Baselines
 run in the same process on the same inputs: the torch reference in one call (it gathers
 [S, K, Hkv, Dqk] and runs out of memory at these sizes) and the same reference a query chunk at a
-time (what a careful user writes). Writes JSON (``--out``); ``--sweep`` also times launch tiles.
+time (what a careful user writes). Writes JSON (``--out``); ``--sweep`` also times launch tiles
+(``IndexerKLConfig``).
 
     python scripts/bench_indexer_loss.py --out bench_indexer_loss.json [--sweep]
 """
@@ -12,21 +13,22 @@ time (what a careful user writes). Writes JSON (``--out``); ``--sweep`` also tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cuda_timing import cuda_median_ms  # noqa: E402
-
-from hyscale_hf.kernels import indexer_kl_loss  # noqa: E402
-from hyscale_hf.kernels import indexer_loss as _il  # noqa: E402  (tile sweep only)
-from hyscale_hf.kernels.reference import indexer_kl_loss_reference  # noqa: E402
-from tests.kernels._indexer_loss_inputs import causal_indices, loss_inputs  # noqa: E402
+from hyscale_hf.benchmarking.inputs import causal_indices, loss_inputs
+from hyscale_hf.benchmarking.timing import cuda_median_ms
+from hyscale_hf.kernels import indexer_kl_loss
+from hyscale_hf.kernels.indexer_kl import IndexerKLConfig
+from hyscale_hf.kernels.indexer_kl.naive import indexer_kl_loss_reference
+from hyscale_hf.kernels.indexer_kl.op import (
+    attention_lse_triton,
+    indexer_kl_backward_triton,
+    indexer_kl_forward_triton,
+)
 
 H, D, K = 32, 128, 2048
 DEVICE = "cuda"
@@ -59,7 +61,7 @@ def setup(T, attn):
                           attn_sharpness=3.0)
     idx = causal_indices(1, T, T, K, generator=g, device=DEVICE, local=256, sinks=16)
     scale = Dqk**-0.5
-    lse = _il.attention_lse_triton(tensors[3], tensors[4], idx, scale)
+    lse = attention_lse_triton(tensors[3], tensors[4], idx, scale)
     leaves = [t.clone().requires_grad_() for t in tensors[:3]]
     return leaves, tensors[3:], idx, lse, scale
 
@@ -96,37 +98,34 @@ def sweep_shape(attn, rows):
     leaves, attn_t, idx, lse, scale = setup(SWEEP_T, attn)
     args = (*[t.detach() for t in leaves], *attn_t, idx, lse, scale, True)
     for bk, nw, ns, da in fwd:
-        _il._GPU_TILES["fwd"] = {"BLOCK_K": bk, "BLOCK_DA": da, "num_warps": nw, "num_stages": ns}
-        ms = cuda_median_ms(lambda: _il.indexer_kl_forward_triton(*args), 5)
+        config = IndexerKLConfig(fwd={"BLOCK_K": bk, "BLOCK_DA": da, "num_warps": nw, "num_stages": ns})
+        ms = cuda_median_ms(lambda config=config: indexer_kl_forward_triton(*args, config=config), 5)
         rows.append({"kernel": "fwd", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
                      "BLOCK_DA": da, "ms": round(ms, 3)})
         print(rows[-1], flush=True)
     for bk, nw, ns in lse_tiles:
-        _il._GPU_TILES["lse"] = {"BLOCK_K": bk, "BLOCK_DA": 64, "num_warps": nw, "num_stages": ns}
-        ms = cuda_median_ms(lambda: _il.attention_lse_triton(attn_t[0], attn_t[1], idx, scale), 5)
+        config = IndexerKLConfig(lse={"BLOCK_K": bk, "BLOCK_DA": 64, "num_warps": nw, "num_stages": ns})
+        ms = cuda_median_ms(lambda config=config: attention_lse_triton(attn_t[0], attn_t[1], idx, scale, config=config), 5)
         rows.append({"kernel": "lse", "attn": attn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns,
                      "ms": round(ms, 3)})
         print(rows[-1], flush=True)
-    _, target, z, lse_i = _il.indexer_kl_forward_triton(*args)
+    _, target, z, lse_i = indexer_kl_forward_triton(*args)
     g = torch.ones(1, SWEEP_T, device=DEVICE)
     for bk, nw, ns in bwd:
-        _il._GPU_TILES["bwd"] = {"BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
-        ms = cuda_median_ms(lambda: _il.indexer_kl_backward_triton(g, *args[:3], idx, target, z, lse_i, True), 5)
+        config = IndexerKLConfig(bwd={"BLOCK_K": bk, "num_warps": nw, "num_stages": ns})
+        ms = cuda_median_ms(
+            lambda config=config: indexer_kl_backward_triton(g, *args[:3], idx, target, z, lse_i, True, config=config), 5
+        )
         rows.append({"kernel": "bwd", "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "ms": round(ms, 3)})
         print(rows[-1], flush=True)
 
 
 def sweep(results, out):
-    saved = {k: dict(v) for k, v in _il._GPU_TILES.items()}
     results["sweep"] = []
-    try:
-        for attn in ATTN:
-            sweep_shape(attn, results["sweep"])
-            _il._GPU_TILES.update({k: dict(v) for k, v in saved.items()})
-            torch.cuda.empty_cache()
-            out.write_text(json.dumps(results, indent=1))
-    finally:
-        _il._GPU_TILES.update(saved)
+    for attn in ATTN:
+        sweep_shape(attn, results["sweep"])
+        torch.cuda.empty_cache()
+        out.write_text(json.dumps(results, indent=1))
 
 
 def bench_one(T, attn, chunk):
@@ -156,7 +155,7 @@ def main():
     a = ap.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "H": H, "D": D, "K": K,
-               "tiles": _il._GPU_TILES, "rows": []}
+               "tiles": dataclasses.asdict(IndexerKLConfig()), "rows": []}
     for T in a.sizes:
         for attn in ATTN:
             row = bench_one(T, attn, a.chunk)

@@ -27,14 +27,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from glm5_stack import GLM5, TINY, build_model, enable_checkpointing, time_ms  # noqa: E402
-
-import hyscale_hf  # noqa: E402
+import hyscale_hf
+from hyscale_hf.benchmarking.glm5 import GLM5, TINY, build_model, enable_checkpointing, time_ms
 
 
 def bench_hytopk(T: int, dims: dict, device, dtype, reps: int) -> float:

@@ -1,12 +1,10 @@
 """Benchmark: Triton sparse attention vs dense SDPA (flash) on one GPU, in one run (docs/design.md section 10).
 
-Selections are what a trained DSA indexer tends to pick: a few attention-sink tokens, a local window
-and far tokens spread over the rest of the past (stratified random: one key drawn in each of
-``far`` equal strata of the far range, so they are distinct and sorted). ``--far-share 1`` draws
-the far tokens independently for every query (worst case: no reuse between neighbouring queries);
-``--far-share N`` gives each block of N consecutive queries the same far tokens (the vertical-line
-pattern of real attention maps: keys that many neighbouring queries attend to). Queries t < K select all of
-keys 0..t and pad with -1.
+Selections are what a trained DSA indexer tends to pick (``hyscale_hf.benchmarking.inputs.
+realistic_selection``): a few attention-sink tokens, a local window and far tokens spread over the
+rest of the past. ``--far-share 1`` draws the far tokens independently for every query (worst case:
+no reuse between neighbouring queries); ``--far-share N`` gives each block of N consecutive queries
+the same far tokens (keys that many neighbouring queries attend to).
 
 Measured (bf16, B = 1, one sequence of T tokens, S = T queries, K selected keys):
   - GQA (32 query heads, 8 KV heads, D = 128): sparse forward, forward+backward (default and
@@ -14,73 +12,26 @@ Measured (bf16, B = 1, one sequence of T tokens, S = T queries, K selected keys)
   - MLA absorbed (64 heads, Dqk 576 = 512 + 64, Dv 512, v = k[..., :512]): forward and backward
     time and TFLOP/s (forward 2*H*pairs*(Dqk+Dv), backward 2*H*pairs*(3*Dqk+2*Dv), pairs = valid
     selected (query, key) pairs). Where the forward runs the Gluon kernel (sm_90), the Triton
-    forward is timed too as the same-run baseline (``triton_fwd_*``; switched through the private
-    ``sparse_attention._CONFIG_OVERRIDES["mla_gluon"]``, the one place this script leaves the
-    public API).
+    forward is timed too as the same-run baseline (``triton_fwd_*``, through
+    ``config=SparseAttentionConfig(mla_gluon=False)``).
 
     python scripts/bench_sparse_attention.py --out results/       # JSON (+ PNG if matplotlib)
     python scripts/bench_sparse_attention.py --plot results/bench_sparse_attention.json
 """
 
 import argparse
-import importlib
 import json
-import math
 import os
 import platform
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import cuda_median_ms  # noqa: E402
-
-from hyscale_hf import sparse_attention  # noqa: E402
-
-SA = importlib.import_module("hyscale_hf.kernels.sparse_attention")
-
-
-def realistic_selection(T, K, *, sinks=4, window=1024, far_share=1, seed=0, device="cuda", chunk=4096):
-    """int32 [1, T, K] sorted indices: sinks + stratified far tokens + local window (see module doc)."""
-    far = K - sinks - window
-    if far <= 0:
-        raise ValueError(f"K = {K} leaves no far tokens after {sinks} sinks and a window of {window}")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = torch.empty(T, K, dtype=torch.int32, device=device)
-    j = torch.arange(K, device=device)
-    i = torch.arange(far, device=device)
-    n_blocks = math.ceil(T / far_share)
-    u_all = None
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        t = torch.arange(c0, c1, device=device)[:, None]
-        short = torch.where(j <= t, j, -1)  # t < K: every visible key
-        # far range [sinks, t0 - window + 1) with t0 the first query of t's block of far_share
-        # queries: the whole block sees the same strata, so with the same random numbers it picks
-        # the same far keys (all before every block query's window).
-        t0 = (t // far_share) * far_share
-        span = (t0 - window + 1 - sinks).clamp_min(far)
-        lo = sinks + (i * span) // far
-        hi = sinks + ((i + 1) * span) // far
-        if far_share == 1:
-            u = torch.rand(c1 - c0, far, generator=gen, device=device)
-        else:
-            if u_all is None:
-                u_all = torch.rand(n_blocks, far, generator=gen, device=device)
-            u = u_all[torch.arange(c0, c1, device=device) // far_share]
-        far_keys = lo + (u * (hi - lo)).long()
-        win = t - window + 1 + torch.arange(window, device=device)
-        sink = torch.arange(sinks, device=device).expand(c1 - c0, sinks)
-        sel = torch.cat([sink, far_keys, win], dim=1)
-        out[c0:c1] = torch.where(t < K, short, sel).to(torch.int32)
-    return out[None]
-
-
-def timed(fn, *, warmup=1, max_reps=10, budget_ms=4000.0):
-    """Median milliseconds of fn() by CUDA events, after warm-up; reps scaled to the budget."""
-    return cuda_median_ms(fn, max_reps, warmup=warmup, budget_ms=budget_ms)
+from hyscale_hf import sparse_attention
+from hyscale_hf.benchmarking.inputs import realistic_selection
+from hyscale_hf.benchmarking.timing import timed
+from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig, host
 
 
 def peak_mib(fn):
@@ -152,15 +103,15 @@ def bench_gqa(T, K, idx, args, dense=True):
 
 def _gluon_forward_runs(q, kv, idx):
     """Whether sparse_attention's MLA forward takes the Gluon kernel for these inputs (counts its launches)."""
-    if SA.mla_forward_gluon is None:
+    if host.mla_forward_gluon is None:
         return False
-    calls, real = [], SA.mla_forward_gluon.mla_forward
-    SA.mla_forward_gluon.mla_forward = lambda *a: calls.append(1) or real(*a)
+    calls, real = [], host.mla_forward_gluon.mla_forward
+    host.mla_forward_gluon.mla_forward = lambda *a: calls.append(1) or real(*a)
     try:
         with torch.no_grad():
             sparse_attention(q, kv, kv[..., :512], idx)
     finally:
-        SA.mla_forward_gluon.mla_forward = real
+        host.mla_forward_gluon.mla_forward = real
     return bool(calls)
 
 
@@ -175,17 +126,14 @@ def bench_mla(T, K, idx, args):
     fwd_flop = 2 * H * pairs * (Dqk + Dv)
     bwd_flop = 2 * H * pairs * (3 * Dqk + 2 * Dv)
 
-    def sparse(det):
-        return lambda: sparse_attention(q, kv, kv[..., :Dv], idx, deterministic=det)
+    def sparse(det, config=None):
+        return lambda: sparse_attention(q, kv, kv[..., :Dv], idx, deterministic=det, config=config)
 
     with torch.no_grad():
         res["fwd_ms"] = timed(sparse(False), budget_ms=args.budget_ms)
         if _gluon_forward_runs(q, kv, idx):
-            SA._CONFIG_OVERRIDES["mla_gluon"] = False
-            try:
-                res["triton_fwd_ms"] = timed(sparse(False), budget_ms=args.budget_ms)
-            finally:
-                del SA._CONFIG_OVERRIDES["mla_gluon"]
+            triton_forward = SparseAttentionConfig(mla_gluon=False)
+            res["triton_fwd_ms"] = timed(sparse(False, triton_forward), budget_ms=args.budget_ms)
             res["triton_fwd_tflops"] = fwd_flop / res["triton_fwd_ms"] / 1e9
     for name, det in (("", False), ("det_", True)):
         if det and not (args.deterministic and T <= args.det_max_T):

@@ -1,15 +1,15 @@
 """Developer tool: time the sparse attention kernels under several launch configs (one GPU run).
 
-Sets the kernel module's private ``_CONFIG_OVERRIDES`` (block sizes, warps, stages) and times the
-forward and backward of the MLA (64 heads, 576/512) and GQA (32/8 heads, D = 128) shapes on the
-benchmark's realistic selection. Configs that fail to compile (shared memory) are reported, not
-fatal. The winners become the defaults in ``hyscale_hf/kernels/sparse_attention.py``.
+Passes each candidate as ``sparse_attention(..., config=SparseAttentionConfig(...))`` (block sizes,
+warps, stages, query-tile rows) and times the forward and backward of the MLA (64 heads, 576/512)
+and GQA (32/8 heads, D = 128) shapes on the benchmark's realistic selection. Configs that fail to
+compile (shared memory) are reported, not fatal. The winners become the defaults of
+``launch_config`` in ``hyscale_hf/kernels/sparse_attn/host.py``.
 
     python scripts/tune_sparse_attention.py --T 32768 --out results/
 """
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -17,13 +17,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_attention import realistic_selection, timed  # noqa: E402
-
-from hyscale_hf import sparse_attention  # noqa: E402
-from hyscale_hf.kernels.reference import tile_unions_reference  # noqa: E402
-
-sa = importlib.import_module("hyscale_hf.kernels.sparse_attention")
+from hyscale_hf import sparse_attention
+from hyscale_hf.benchmarking.inputs import realistic_selection
+from hyscale_hf.benchmarking.timing import timed
+from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig
+from hyscale_hf.kernels.sparse_attn.host import key_lists
+from hyscale_hf.kernels.sparse_attn.naive import tile_unions_reference
 
 # (BLOCK_N, num_warps, num_stages); "bwd" of the MLA shape is the split dK/dV kernel, "dq" its dQ
 # kernel (SLAB, BLOCK_N, num_warps, num_stages). Candidates fit sm_90's 227 KB of shared memory.
@@ -53,23 +52,23 @@ def sweep(name, kind, configs, T, idx, budget_ms):
     rows = []
     for cfg in configs:
         *first, bn, warps, stages = cfg
-        sa._CONFIG_OVERRIDES.clear()
         over = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         key = "bwd_dq" if kind == "dq" else kind
+        tile = {}
         if first and name == "mla":
             over["SLAB"] = first[0]
         elif first:  # GQA runs the tiled kernels; first = tile rows
-            sa._CONFIG_OVERRIDES["tile"] = dict(rows=first[0])
+            tile = dict(tile_rows=first[0])
             key += "_tiled"
-        sa._CONFIG_OVERRIDES[key] = over
+        config = SparseAttentionConfig(**{key: over}, **tile)
         row = dict(shape=name, kind=kind, tile_rows=first[0] if first and name != "mla" else None, **over)
         t0 = time.time()
         try:
             if kind == "fwd":  # "bwd" and "dq" both time the whole backward
                 with torch.no_grad():
-                    row["ms"] = timed(lambda: sparse_attention(q, k, v, idx), budget_ms=budget_ms)
+                    row["ms"] = timed(lambda config=config: sparse_attention(q, k, v, idx, config=config), budget_ms=budget_ms)
             else:
-                o = sparse_attention(q, k, v, idx)
+                o = sparse_attention(q, k, v, idx, config=config)
 
                 def bwd(o=o):
                     for x in leaves:
@@ -82,14 +81,12 @@ def sweep(name, kind, configs, T, idx, budget_ms):
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-            sa._CONFIG_OVERRIDES.clear()
             raise ContextLost(rows) from e
         except Exception as e:  # noqa: BLE001 - a config that does not fit is a result, not a crash
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["wall_s"] = round(time.time() - t0, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    sa._CONFIG_OVERRIDES.clear()
     return rows
 
 
@@ -112,13 +109,12 @@ def main():
     args = ap.parse_args()
     idx = realistic_selection(args.T, args.K, far_share=args.far_share)
     for rows in (64, 128):  # the query-tile union build (Triton) that the tiled GQA forward includes
-        sa._CONFIG_OVERRIDES["tile"] = dict(rows=rows)
-        ms = timed(lambda rows=rows: sa._key_lists(idx, args.T, 4, wide=False), budget_ms=args.budget_ms)
+        config = SparseAttentionConfig(tile_rows=rows)
+        ms = timed(lambda config=config: key_lists(idx, args.T, 4, False, config), budget_ms=args.budget_ms)
         torch_ms = timed(lambda rows=rows: tile_unions_reference(idx, rows // 4, args.T), budget_ms=args.budget_ms)
-        lists = sa._key_lists(idx, args.T, 4, wide=False)
+        lists = key_lists(idx, args.T, 4, False, config)
         print(json.dumps(dict(union_build_rows=rows, ms=ms, torch_reference_ms=torch_ms,
                               max_union=lists.idx.shape[2], mean_union=float(lists.num.float().mean()))), flush=True)
-    sa._CONFIG_OVERRIDES.clear()
     table = dict(mla_fwd=MLA_FWD, mla_bwd=MLA_BWD, mla_dq=MLA_DQ, gqa_fwd=GQA_FWD, gqa_bwd=GQA_BWD)
     results = []
     lost = None

@@ -8,7 +8,7 @@ from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as glm4_
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 
 from hyscale_hf.indexer import LightningIndexer, rope_frequency_subset
-from hyscale_hf.kernels.reference import indexer_scores
+from hyscale_hf.kernels.topk.naive import indexer_scores
 
 
 def _tables(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0):

@@ -40,7 +40,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..indexer import LightningIndexer, attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, sparse_attention
-from ..kernels.reference import query_windows
+from ..kernels.windows import query_windows
 from ..records import LiveRecord, saved_record, set_record
 from ..state import PatchState
 from ..training import observe_selection

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..indexer import attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
-from ..kernels.reference import absorbed_query, chunk_budget_bytes, query_windows
+from ..kernels.sparse_attn.mla_query import absorbed_query
+from ..kernels.windows import chunk_budget_bytes, query_windows
 from ..replay import reuse_indices
 from ..state import PatchState
 from ..training import observe_selection
@@ -466,7 +467,7 @@ def mla_dsa_attention_forward(
                 raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
             topk_indices = reuse_indices(prev_topk_indices)
         # attn_q comes back without gradient (the KL target and the recall probe only read it); the
-        # attention rebuilds it from q_nope in backward instead of keeping it (see mla_attention).
+        # attention rebuilds it from q_nope in backward instead of keeping it (see kernels/sparse_attn/mla.py).
         o_latent, lse, attn_q = mla_sparse_attention(q_nope, q_rot, w_uk, attn_k, topk_indices, value_dim=value_dim,
                                                      scale=self.scaling, backend=cfg.backend)
         loss_indices = topk_indices

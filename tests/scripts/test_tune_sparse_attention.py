@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig, host
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_sparse_attention.py"
 
 
@@ -22,14 +24,13 @@ def load_script():
 
 def test_sweep_stops_at_a_device_fault_and_keeps_earlier_rows(monkeypatch):
     tune = load_script()
-    monkeypatch.setattr(tune.sa, "_CONFIG_OVERRIDES", {})
     q = torch.zeros(1, 4, 2, 8)
     monkeypatch.setattr(tune, "shapes", lambda name, T: (q, q, q, (q,)))
     monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.zeros(*a))
     calls = []
 
     def timed(fn, budget_ms):
-        calls.append(dict(tune.sa._CONFIG_OVERRIDES))
+        calls.append(fn)
         if len(calls) == 2:
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
         return 1.5
@@ -42,4 +43,4 @@ def test_sweep_stops_at_a_device_fault_and_keeps_earlier_rows(monkeypatch):
     assert [r.get("ms") for r in rows] == [1.5, None]
     assert "illegal memory access" in rows[1]["error"]
     assert len(calls) == 2  # the third config never ran
-    assert tune.sa._CONFIG_OVERRIDES == {}  # the kernels' defaults are back
+    assert host.DEFAULT_CONFIG == SparseAttentionConfig()  # the kernels' defaults are untouched

@@ -1,0 +1,115 @@
+"""The indexer KL loss in pure torch: the test oracle of the Triton kernels, the CPU backend and the
+dense warm-up loss (chunked and checkpointed, so memory stays O(chunk * T))."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..sparse_attn.naive import gather_keys
+from ..topk.naive import indexer_logits_block
+from ..windows import compute_dtype, query_chunk, query_windows, visible_mask
+
+
+def attention_target(attn_q, attn_k_sel, valid, scale, attn_lse):
+    """Head-summed, L1-normalised attention probabilities [..., K] over a key set (detached).
+
+    attn_q [B, c, Hq, Dqk]; attn_k_sel [B, c, K, Hkv, Dqk] (per-query sets) or [B, K, Hkv, Dqk]
+    (one key window shared by the chunk); valid [B, c, K]; attn_lse [B, c, Hq] (optional: the lse
+    the attention itself computed over the same set).
+    """
+    B, c, Hq, _ = attn_q.shape
+    Hkv = attn_k_sel.shape[-2]
+    dt = compute_dtype(attn_q, attn_k_sel)
+    qg = attn_q.to(dt).view(B, c, Hkv, Hq // Hkv, -1)
+    pattern = "bchgd,bckhd->bchgk" if attn_k_sel.dim() == 5 else "bchgd,bkhd->bchgk"
+    logits = torch.einsum(pattern, qg, attn_k_sel.to(dt)).flatten(2, 3) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    if attn_lse is None:
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    else:
+        lse = attn_lse.to(dt)
+        probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+        probs = probs.masked_fill(~valid[:, :, None, :], 0.0)
+    p = probs.sum(dim=2)
+    return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
+
+
+def kl_rows(p: torch.Tensor, index_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """KL(p || softmax(index_logits)) per row over ``valid`` keys; 0 * log 0 = 0."""
+    logq = torch.log_softmax(index_logits.masked_fill(~valid, float("-inf")), dim=-1)
+    logq = torch.where(valid, logq, torch.zeros_like(logq))
+    plogp = torch.where(p > 0, p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)), torch.zeros_like(p))
+    return (plogp - p * logq).sum(-1)
+
+
+def indexer_kl_loss_reference(
+    index_q,
+    index_k,
+    index_w,
+    attn_q,
+    attn_k,
+    indices=None,
+    *,
+    attn_lse=None,
+    scale,
+    relu=True,
+    cu_seqlens=None,
+    window_start=None,
+    chunk_size=None,
+    reduction="mean",
+):
+    """KL(p || softmax(I)) per query, with p the detached head-summed attention distribution.
+
+    Sparse stage (``indices`` given): over each query's selected set. Dense warm-up
+    (``indices=None``): over all visible keys, a query chunk at a time; each chunk is
+    checkpointed so forward and backward memory stay O(chunk * T).
+    Returns a scalar (``reduction`` "mean" over queries with a visible key, or "sum"), or the
+    per-query KL [B, S] with ``reduction="none"``. Gradients reach index_q, index_k, index_w only.
+    """
+    attn_q, attn_k = attn_q.detach(), attn_k.detach()
+    attn_lse = None if attn_lse is None else attn_lse.detach()
+    B, S, H, _ = index_q.shape
+    T = index_k.shape[1]
+    if indices is not None:
+        valid = indices >= 0
+        k_sel = gather_keys(index_k, indices)  # [B, S, K, D]
+        dt = compute_dtype(index_q, index_k, index_w)
+        logits = torch.einsum("bshd,bskd->bshk", index_q.to(dt), k_sel.to(dt))
+        if relu:
+            logits = logits.clamp_min(0)
+        index_logits = (logits * index_w.to(dt)[..., None]).sum(2)
+        with torch.no_grad():
+            p = attention_target(attn_q, gather_keys(attn_k, indices), valid, scale, attn_lse)
+        kl = kl_rows(p.to(index_logits.dtype), index_logits, valid)
+        has_key = valid.any(-1)
+    else:
+        start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=index_q.device)
+        chunk = query_chunk(B, max(H, attn_q.shape[2]), T, chunk_size, index_q.device)
+        pieces = []
+        for c0 in range(0, S, chunk):
+            c1 = min(S, c0 + chunk)
+            lo, hi = int(start[:, c0:c1].min()), int(end[:, c0:c1].max()) + 1
+            visible = visible_mask(start[:, c0:c1], end[:, c0:c1], lo, hi)
+            lse_c = None if attn_lse is None else attn_lse[:, c0:c1]
+
+            def chunk_kl(iq, ik, iw, aq, ak, lse_c=lse_c, visible=visible):
+                index_logits = indexer_logits_block(iq, ik, iw, relu)
+                with torch.no_grad():
+                    p = attention_target(aq, ak, visible, scale, lse_c)
+                return kl_rows(p.to(index_logits.dtype), index_logits, visible)
+
+            args = (index_q[:, c0:c1], index_k[:, lo:hi], index_w[:, c0:c1], attn_q[:, c0:c1], attn_k[:, lo:hi])
+            if torch.is_grad_enabled():
+                pieces.append(checkpoint(chunk_kl, *args, use_reentrant=False))
+            else:
+                pieces.append(chunk_kl(*args))
+        kl = torch.cat(pieces, dim=1)
+        has_key = end >= start
+    if reduction == "none":
+        return kl
+    if reduction == "sum":
+        return kl.sum()
+    if reduction == "mean":
+        return kl.sum() / has_key.sum().clamp_min(1)
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

@@ -1,0 +1,337 @@
+"""Indexer KL loss: trains the lightning indexer to match the main attention's distribution.
+
+Host launches of the Triton kernels (``triton_kernels.py``, whose docstring derives the one-pass
+loss), the autograd wrapper and the public function. The torch path (and the dense warm-up loss)
+is ``naive.indexer_kl_loss_reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from ..checks import (
+    check_cu_seqlens,
+    check_dim,
+    check_indices,
+    check_same_device,
+    check_tensor,
+    resolve_backend,
+)
+from . import triton_kernels as kernels
+from .naive import indexer_kl_loss_reference
+
+_LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------- host launches
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+@dataclass(frozen=True)
+class IndexerKLConfig:
+    """Launch tiles of the Triton indexer-loss kernels on CUDA; ``IndexerKLConfig()`` is what runs.
+
+    One dict per kernel: ``lse`` (the attention lse pass, when ``attn_lse`` is not given), ``fwd``
+    (the loss) and ``bwd`` (its gradients); keys ``BLOCK_K`` (selected keys per step), ``BLOCK_DA``
+    (attention dims per step; not ``bwd``, which reads no attention tensor), ``num_warps``,
+    ``num_stages``. Picked by ``scripts/bench_indexer_loss.py --sweep`` on one H200 (T = 16384,
+    K = 2048, bf16): in the forward 3 stages took MLA (64 heads x 576) from 17.4 to 14.1 ms and
+    left GQA (32/8 x 128) at ~20 ms, and 8 warps were slower everywhere; in the backward 64 keys, 4
+    warps and 2 stages measured best (8.8 ms). The lse pass shares the forward's loop nest and tiles.
+    Under the CPU interpreter the kernels run 16-wide tiles whatever the config.
+    """
+
+    lse: dict = field(default_factory=lambda: {"BLOCK_K": 64, "BLOCK_DA": 64, "num_warps": 4, "num_stages": 3})
+    fwd: dict = field(default_factory=lambda: {"BLOCK_K": 64, "BLOCK_DA": 64, "num_warps": 4, "num_stages": 3})
+    bwd: dict = field(default_factory=lambda: {"BLOCK_K": 64, "num_warps": 4, "num_stages": 2})
+
+
+# What ``config=None`` means (read at call time).
+DEFAULT_CONFIG = IndexerKLConfig()
+_INTERPRETER_TILES = {"BLOCK_K": 16, "BLOCK_DA": 16}
+
+
+def _launch_config(kernel: str, device: torch.device, config: IndexerKLConfig | None, dqk: int | None = None) -> dict:
+    if config is None:
+        config = DEFAULT_CONFIG
+    elif not isinstance(config, IndexerKLConfig):
+        raise TypeError(f"config must be an IndexerKLConfig or None, got {type(config).__name__}")
+    cfg = dict(getattr(config, kernel)) if device.type == "cuda" else dict(_INTERPRETER_TILES)
+    if kernel == "bwd":
+        cfg.pop("BLOCK_DA", None)
+    else:
+        cfg["BLOCK_DA"] = min(cfg["BLOCK_DA"], _pow2(dqk))
+    return cfg
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products (Triton's default for fp32 dot is tf32); 16-bit inputs
+    # run on the tensor cores with fp32 accumulation either way.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _common_dtype(name_a, a, name_b, b):
+    if a.dtype not in _TRITON_DTYPES or b.dtype not in _TRITON_DTYPES:
+        raise ValueError(
+            f"the Triton indexer loss takes fp16/bf16/fp32 {name_a}/{name_b}, got {a.dtype}/{b.dtype}; "
+            "use backend='torch' (the exact reference) for float64"
+        )
+    dt = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dt), b.to(dt)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def attention_lse_triton(attn_q, attn_k, indices, scale, *, config=None):
+    """Per-head attention log-sum-exp over each query's selected keys: fp32 [B, S, Hq]."""
+    attn_q, attn_k = _common_dtype("attn_q", attn_q, "attn_k", attn_k)
+    attn_q, attn_k = _last_dim_contiguous(attn_q), _last_dim_contiguous(attn_k)
+    indices = indices.contiguous()
+    B, S, Hq, Dqk = attn_q.shape
+    Hkv = attn_k.shape[2]
+    G = Hq // Hkv
+    cfg = _launch_config("lse", attn_q.device, config, Dqk)
+    lse = torch.empty(B, S, Hq, dtype=torch.float32, device=attn_q.device)
+    if B * S == 0:
+        return lse
+    kernels.attn_lse_kernel[(S, B)](
+        indices, attn_q, attn_k, lse,
+        S, indices.shape[2], Dqk, G, Hkv,
+        indices.stride(0), indices.stride(1), *attn_q.stride()[:3], *attn_k.stride()[:3],
+        scale * _LOG2E,
+        BLOCK_G=_pow2(G), PRECISION=_precision(attn_q.dtype), **cfg,
+    )
+    return lse
+
+
+def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse, scale, relu,
+                              *, save_target=True, config=None):
+    """Per-query KL [B, S] fp32, plus (P [B, S, K] fp32 or None, Z [B, S], lseI [B, S]) for backward."""
+    index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
+    attn_q, attn_k = _common_dtype("attn_q", attn_q, "attn_k", attn_k)
+    index_q, index_k, attn_q, attn_k = map(_last_dim_contiguous, (index_q, index_k, attn_q, attn_k))
+    index_w = _last_dim_contiguous(index_w.float())
+    indices = indices.contiguous()
+    B, S, H, D = index_q.shape
+    K = indices.shape[2]
+    Hq, Dqk = attn_q.shape[2:]
+    Hkv = attn_k.shape[2]
+    dev = index_q.device
+    if attn_lse is None:
+        attn_lse = attention_lse_triton(attn_q, attn_k, indices, scale, config=config)
+    # As the reference: a non-finite lse (a query without keys) counts as 0.
+    lse = torch.where(torch.isfinite(attn_lse), attn_lse, torch.zeros_like(attn_lse)).float().contiguous()
+    kl = torch.empty(B, S, dtype=torch.float32, device=dev)
+    z = torch.empty(B, S, dtype=torch.float32, device=dev)
+    lse_i = torch.empty(B, S, dtype=torch.float32, device=dev)
+    target = torch.empty(B, S, K, dtype=torch.float32, device=dev) if save_target else kl
+    if B * S == 0:
+        return kl, (target if save_target else None), z, lse_i
+    cfg = _launch_config("fwd", dev, config, Dqk)
+    kernels.indexer_kl_fwd_kernel[(S, B)](
+        index_q, index_k, index_w, indices, attn_q, attn_k, lse,
+        kl, target, z, lse_i,
+        S, K, H, D, Dqk, Hq // Hkv, Hkv,
+        *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
+        *attn_q.stride()[:3], *attn_k.stride()[:3],
+        scale * _LOG2E,
+        RELU=relu, STORE_P=save_target,
+        BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), BLOCK_G=_pow2(Hq // Hkv),
+        PRECISION_I=_precision(index_q.dtype), PRECISION_A=_precision(attn_q.dtype), **cfg,
+    )
+    return kl, (target if save_target else None), z, lse_i
+
+
+def indexer_kl_backward_triton(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, relu,
+                               *, config=None):
+    """Gradients (d index_q, d index_k, d index_w) of sum(grad_kl * KL). d index_k is accumulated with
+    fp32 atomics, so its bits can vary between runs (summation order); the others are deterministic."""
+    q_dtype, k_dtype, w_dtype = index_q.dtype, index_k.dtype, index_w.dtype
+    index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
+    index_q, index_k = _last_dim_contiguous(index_q), _last_dim_contiguous(index_k)
+    index_w = _last_dim_contiguous(index_w.float())
+    indices = indices.contiguous()
+    B, S, H, D = index_q.shape
+    T, K = index_k.shape[1], indices.shape[2]
+    dev = index_q.device
+    dq = torch.empty(B, S, H, D, dtype=q_dtype, device=dev)
+    dw = torch.empty(B, S, H, dtype=torch.float32, device=dev)
+    dk = torch.zeros(B, T, D, dtype=torch.float32, device=dev)
+    if B * S > 0:
+        cfg = _launch_config("bwd", dev, config)
+        kernels.indexer_kl_bwd_kernel[(S, B)](
+            index_q, index_k, index_w, indices, target, z, lse_i, grad_kl,
+            dq, dw, dk,
+            S, K, H, D, T,
+            *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
+            *grad_kl.stride(),
+            RELU=relu, BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), PRECISION=_precision(index_q.dtype), **cfg,
+        )
+    return dq, dk.to(k_dtype), dw.to(w_dtype)
+
+
+# ----------------------------------------------------------------------------- autograd wrapper
+
+
+class _IndexerKLSparse(torch.autograd.Function):
+    """Per-query sparse-stage KL [B, S]; gradients to index_q, index_k, index_w only."""
+
+    @staticmethod
+    def forward(ctx, index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse, scale, relu, config):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        kl, target, z, lse_i = indexer_kl_forward_triton(
+            index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse, scale, relu,
+            save_target=needs_grad, config=config,
+        )
+        if needs_grad:
+            ctx.save_for_backward(index_q, index_k, index_w, indices, target, z, lse_i)
+        ctx.relu, ctx.config = relu, config
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        index_q, index_k, index_w, indices, target, z, lse_i = ctx.saved_tensors
+        dq, dk, dw = indexer_kl_backward_triton(
+            grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config
+        )
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dw if need[2] else None,
+                None, None, None, None, None, None, None)
+
+
+def indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, *, attn_lse, scale, relu,
+                           reduction, config=None):
+    """Sparse-stage loss through the Triton kernels; the same reductions as the reference."""
+    attn_lse = None if attn_lse is None else attn_lse.detach()
+    kl = _IndexerKLSparse.apply(index_q, index_k, index_w, attn_q.detach(), attn_k.detach(), indices,
+                                attn_lse, scale, relu, config)
+    if reduction == "none":
+        return kl
+    if reduction == "sum":
+        return kl.sum()
+    if reduction == "mean":
+        return kl.sum() / (indices >= 0).any(-1).sum().clamp_min(1)
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# ----------------------------------------------------------------------------- public function
+
+
+def indexer_kl_loss(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    index_w: torch.Tensor,
+    attn_q: torch.Tensor,
+    attn_k: torch.Tensor,
+    indices: torch.Tensor | None = None,
+    *,
+    attn_lse: torch.Tensor | None = None,
+    scale: float | None = None,
+    relu: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    window_start: torch.Tensor | None = None,
+    reduction: str = "mean",
+    backend: str = "auto",
+    config: IndexerKLConfig | None = None,
+):
+    """``KL(p[i] || softmax(I[i]))`` per query, averaged (DeepSeek-V3.2-Exp, section 2.1).
+
+    ``I[i, s] = sum_h index_w[i, h] * ReLU(index_q[i, h] . index_k[s])`` are the indexer logits;
+    ``p[i]`` is the main attention's probabilities summed over heads and L1-normalised, computed
+    from ``attn_q``, ``attn_k`` (and ``attn_lse`` when given) and detached: the loss trains only
+    the indexer (gradients reach ``index_q``, ``index_k``, ``index_w``).
+
+    Sparse stage (``indices`` given): both distributions live on each query's selected set.
+    Dense warm-up (``indices=None``): over every visible key (causal, ``cu_seqlens`` and
+    ``window_start`` as in ``hytopk``), computed a query chunk at a time so memory stays
+    O(chunk * T) in forward and backward.
+
+    Args:
+        index_q: ``[B, S, H, D]``; index_k: ``[B, T, D]``; index_w: ``[B, S, H]`` fp32.
+        attn_q: ``[B, S, Hq, Dqk]``; attn_k: ``[B, T, Hkv, Dqk]`` (MLA absorbed: Hkv = 1, the
+            latent rows with rope dims).
+        indices: int32 ``[B, S, K]`` (``-1`` skipped) or None for the dense warm-up loss.
+        attn_lse: optional fp32 ``[B, S, Hq]``: the attention's own log-sum-exp over the same key
+            set (sparse_attention's ``lse`` in the sparse stage); recomputed when None.
+        scale: the attention's softmax scale; default ``Dqk ** -0.5``.
+        relu: the indexer's ReLU flag (as in ``hytopk``).
+        reduction: ``"mean"`` over queries with a key, ``"sum"``, or ``"none"`` (``[B, S]``).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"``. The Triton kernels cover the sparse stage
+            for fp16/bf16/fp32 inputs (``"auto"`` picks them on CUDA; float64 and the dense warm-up
+            run on the torch reference, and asking ``"triton"`` for those is a ``ValueError``).
+        config: Triton only: launch tiles of its kernels (``IndexerKLConfig``; None = the measured
+            defaults, ``op.DEFAULT_CONFIG``).
+
+    Returns:
+        The loss (fp32 scalar, or ``[B, S]`` with ``reduction="none"``).
+
+    Triton sparse stage: forward and backward read only the selected keys. Saved for backward:
+    the target probabilities ``[B, S, K]`` fp32 plus two fp32 numbers per query (no attention
+    tensor is read again). ``d index_k`` is summed with fp32 atomics, so its last bits can vary
+    between runs; ``d index_q`` and ``d index_w`` are deterministic. The backward feeds
+    ``dI * w`` to the tensor cores in the inputs' dtype (bf16/fp16 rounding, as ``dS`` in flash
+    attention); fp32 inputs use exact fp32 products.
+    """
+    check_tensor("index_q", index_q, 4, "[B, S, H, D]")
+    B, S, H, D = index_q.shape
+    kdoc = f"[B={B}, T, D={D}]"
+    check_tensor("index_k", index_k, 3, kdoc)
+    check_dim("index_k", index_k, 0, B, kdoc)
+    check_dim("index_k", index_k, 2, D, kdoc)
+    T = index_k.shape[1]
+    wdoc = f"[B={B}, S={S}, H={H}] float32"
+    check_tensor("index_w", index_w, 3, wdoc, dtypes=(torch.float32, torch.float64))
+    for dim, size in ((0, B), (1, S), (2, H)):
+        check_dim("index_w", index_w, dim, size, wdoc)
+    check_tensor("attn_q", attn_q, 4, f"[B={B}, S={S}, Hq, Dqk]")
+    check_dim("attn_q", attn_q, 0, B, f"[B={B}, S={S}, Hq, Dqk]")
+    check_dim("attn_q", attn_q, 1, S, f"[B={B}, S={S}, Hq, Dqk]")
+    Hq, Dqk = attn_q.shape[2:]
+    adoc = f"[B={B}, T={T}, Hkv, Dqk={Dqk}]"
+    check_tensor("attn_k", attn_k, 4, adoc)
+    for dim, size in ((0, B), (1, T), (3, Dqk)):
+        check_dim("attn_k", attn_k, dim, size, adoc)
+    if Hq % attn_k.shape[2]:
+        raise ValueError(f"attn_q has Hq = {Hq} heads, not a multiple of attn_k's Hkv = {attn_k.shape[2]}")
+    if attn_lse is not None:
+        ldoc = f"[B={B}, S={S}, Hq={Hq}] float32"
+        check_tensor("attn_lse", attn_lse, 3, ldoc, dtypes=(torch.float32, torch.float64))
+        for dim, size in ((0, B), (1, S), (2, Hq)):
+            check_dim("attn_lse", attn_lse, dim, size, ldoc)
+    if S > T:
+        raise ValueError(f"index_q has S = {S} queries but index_k has only T = {T} keys; need S <= T")
+    check_same_device(index_q=index_q, index_k=index_k, index_w=index_w, attn_q=attn_q, attn_k=attn_k,
+                      indices=indices, attn_lse=attn_lse)
+    if indices is not None:
+        check_indices(indices, B, S, T)
+    else:
+        check_cu_seqlens(cu_seqlens, B, S, T, index_q.device)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if scale is None:
+        scale = Dqk**-0.5
+    if backend == "triton" and indices is None:
+        raise ValueError("backend='triton' covers the sparse stage (indices given); the dense warm-up loss "
+                         "(indices=None) runs on the chunked torch path: use backend='auto' or 'torch'")
+    kernel_dtypes = all(t.dtype in _TRITON_DTYPES for t in (index_q, index_k, attn_q, attn_k))
+    if backend == "triton" and not kernel_dtypes:
+        raise ValueError("backend='triton' computes in fp32 from fp16/bf16/fp32 inputs; float64 inputs need "
+                         "backend='torch' (the exact reference)")
+    chosen = resolve_backend(backend, index_q.device,
+                             indices is not None and kernel_dtypes)
+    if chosen == "triton":
+        return indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse=attn_lse,
+                                      scale=scale, relu=relu, reduction=reduction, config=config)
+    return indexer_kl_loss_reference(
+        index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse=attn_lse, scale=scale, relu=relu,
+        cu_seqlens=cu_seqlens, window_start=window_start, reduction=reduction,
+    )

@@ -1,0 +1,404 @@
+"""Host code of the Triton sparse attention: launch configs, key lists, forward and backward launches.
+
+Kernels: ``triton_kernels.py`` (the design is described there) and, for the MLA forward on sm_90,
+``mla_forward_gluon.py``. The autograd wrappers (``op.py``, ``mla.py``) call ``sparse_attention_fwd``
+and ``sparse_attention_bwd``; ``SparseAttentionConfig`` chooses tile shapes and kernel variants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference exists.
+    import triton
+
+    from . import triton_kernels as kernels
+    from .tile_unions import tile_unions
+except ImportError:  # pragma: no cover
+    triton = None
+try:  # Gluon (Triton's explicit-layout dialect) with its Hopper ops: the MLA forward on sm_90
+    from . import mla_forward_gluon
+except (ImportError, AttributeError):  # pragma: no cover  (a Triton without them, or other names)
+    mla_forward_gluon = None
+
+# Whether this build has the Triton kernels (the ops' "triton" backend).
+HAS_TRITON = triton is not None
+
+_LOG2E = 1.4426950408889634
+
+# Bytes of fp32 scratch one deterministic backward chunk may use.
+SCRATCH_BYTES = 1 << 30
+# Bytes of the dS buffer [B, chunk, Hq, K] of the split (wide-row) backward.
+DS_BYTES = 1 << 30
+
+# Per-token rows are walked up to their last key rounded up to this many slots (>= every BLOCK_N).
+EXTENT_GRAIN = 128
+
+# The tiled forward runs only where the widest tile union has at most this many times K keys.
+TILED_FWD_MAX_UNION = 4
+
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """Launch choices of the Triton sparse attention; ``SparseAttentionConfig()`` is what runs by default.
+
+    The five kernel fields are overrides of the launch parameters that ``launch_config`` picks by
+    shape (measured on one H200 with ``scripts/tune_sparse_attention.py``): a key given here
+    replaces that default, keys left out keep it.
+
+    - ``fwd``: the per-token forward (``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages``);
+    - ``bwd``: the per-token backward (the same keys, and ``split``: the two-kernel backward of wide
+      MLA rows, dS + dK/dV then dQ);
+    - ``bwd_dq``: the dQ kernel of the split backward (``SLAB`` key-dim columns per program,
+      ``BLOCK_N``, ``num_warps``, ``num_stages``; ``BLOCK_N`` must divide ``EXTENT_GRAIN``);
+    - ``fwd_tiled``, ``bwd_tiled``: the query-tile kernels (``BLOCK_N`` in {32, 64, 128},
+      ``num_warps``, ``num_stages``).
+
+    ``tile_rows``: rows (query, head pairs) of a query tile, the matmul M side of the tiled kernels;
+    0 turns query tiles off (every program walks one token's own list). 128 rows (32 queries of a
+    GQA group of 4) rather than 64: each tile sums its keys' dK/dV in registers before one atomic
+    add per key, so twice the queries per tile halve the atomics while the union grows only by the
+    extra window keys. H200, T = 128K, far tokens shared by 64 queries: backward 89 -> 51 ms,
+    forward 34.6 -> 31.7 ms.
+
+    ``mla_gluon``: the Hopper MLA forward (``mla_forward_gluon.py``) where it applies; False runs
+    the Triton forward there (the same-run baseline of ``scripts/bench_sparse_attention.py``).
+    """
+
+    fwd: dict = field(default_factory=dict)
+    bwd: dict = field(default_factory=dict)
+    bwd_dq: dict = field(default_factory=dict)
+    fwd_tiled: dict = field(default_factory=dict)
+    bwd_tiled: dict = field(default_factory=dict)
+    tile_rows: int = 128
+    mla_gluon: bool = True
+
+    def overrides(self, kind: str) -> dict:
+        """The launch overrides of kernel ``kind`` ("fwd", "bwd", "bwd_dq", "fwd_tiled", "bwd_tiled")."""
+        return getattr(self, kind)
+
+
+# What ``config=None`` means: read at call time (tests swap it for small blocks).
+DEFAULT_CONFIG = SparseAttentionConfig()
+
+
+def resolve_config(config: SparseAttentionConfig | None) -> SparseAttentionConfig:
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, SparseAttentionConfig):
+        raise TypeError(f"config must be a SparseAttentionConfig or None, got {type(config).__name__}")
+    return config
+
+
+def _split_key_dim(d: int) -> tuple[int, int]:
+    """d = D1 + D2 with D1 the largest power of two <= d; (0, 0) if D2 is not a power of two >= 16."""
+    d1 = 1 << (d.bit_length() - 1)
+    d2 = d - d1
+    if d1 < 16 or (d2 and (d2 < 16 or d2 & (d2 - 1))):
+        return 0, 0
+    return d1, d2
+
+
+def v_is_k_prefix(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v's elements are k's first Dv dims (same storage, offset and strides): ``v = k[..., :Dv]``."""
+    return (
+        v.data_ptr() == k.data_ptr()
+        and v.shape[:3] == k.shape[:3]
+        and v.stride() == k.stride()
+        and v.shape[3] <= k.shape[3]
+        and v.dtype == k.dtype
+    )
+
+
+def v_grad_flows_into_k(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when autograd routes v's gradient into the storage of k (v is a view of k's base)."""
+    if not (k.requires_grad and v.requires_grad and v_is_k_prefix(k, v)):
+        return False
+    base = k if k._base is None else k._base
+    return v._base is not None and v._base is base
+
+
+def _gluon_mla_forward_applies(
+    q: torch.Tensor, k: torch.Tensor, v_from_k: bool, run: KeyLists, config: SparseAttentionConfig
+) -> bool:
+    """The Hopper MLA forward (``mla_forward_gluon``) takes per-token lists of MLA-absorbed rows:
+    one KV head of 576 dims whose first 512 are v, query heads in blocks of 64, bf16/fp16, unit
+    inner strides and 16-byte aligned rows (its copies move 16-byte pieces), on an sm_90 GPU.
+    ``SparseAttentionConfig(mla_gluon=False)`` turns it off (the Triton forward then runs)."""
+    if mla_forward_gluon is None or not q.is_cuda or run.tile_q or not config.mla_gluon:
+        return False
+    rows_aligned = all(t.data_ptr() % 16 == 0 for t in (q, k)) and all(
+        st % 8 == 0 for st in (*q.stride()[:3], k.stride(0), k.stride(1))
+    )
+    return (
+        torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k.dtype == q.dtype
+        and v_from_k
+        and k.shape[2] == 1
+        and q.shape[2] % 64 == 0
+        and q.shape[3] == 576
+        and q.stride(3) == 1
+        and k.stride(3) == 1
+        and run.idx.stride(2) == 1
+        and rows_aligned
+    )
+
+
+def triton_unsupported_reason(q, k, v) -> str | None:
+    """Why the Triton kernel cannot take these inputs (None if it can)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype for the Triton kernel, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the Triton kernel takes float16/bfloat16/float32, got {q.dtype}"
+    dqk, dv = q.shape[-1], v.shape[-1]
+    d1, _ = _split_key_dim(dqk)
+    if d1 == 0:
+        return f"Dqk = {dqk} must be a power of two >= 16 plus an optional power-of-two tail >= 16 (e.g. 576 = 512 + 64)"
+    if dv < 16 or dv & (dv - 1):
+        return f"Dv = {dv} must be a power of two >= 16 for the Triton kernel"
+    return None
+
+
+def _is_wide(dqk: int, dv: int) -> bool:
+    """MLA-absorbed-like rows (576 + 512): big tiles, one program per token, split backward."""
+    return dqk + dv > 512
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def launch_config(kind: str, group: int, dqk: int, dv: int, num_idx: int, config: SparseAttentionConfig) -> dict:
+    """Block sizes and launch options of one kernel (``kind``), with ``config``'s overrides."""
+    block_h = min(64, max(16, _next_pow2(group)))
+    wide = _is_wide(dqk, dv)
+    # Measured on one H200 (scripts/tune_sparse_attention.py, T = 16K, K = 2048, bf16).
+    if kind == "fwd":
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=8 if block_h >= 64 else 4, num_stages=2)
+    elif kind == "bwd":
+        # Wide rows split the backward in two kernels (dS + dK/dV, then dQ): the fused kernel's
+        # [64, 576] fp32 dQ accumulator does not fit beside the rest. BLOCK_N 16 keeps the split
+        # dK/dV kernel under sm_90's 227 KB of shared memory; 4 warps beat 8 there (78 vs 108 ms), and
+        # 3 stages beat 2 (H200: 35.3 vs 36.8 ms at 8K, 590 vs 636 ms at 128K).
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=16 if wide else 32, num_warps=4 if wide or block_h < 64 else 8,
+                   num_stages=3 if wide else 2)
+        cfg["split"] = wide
+    elif kind == "bwd_dq":  # dQ of the split backward, SLAB columns of the key dims per program
+        cfg = dict(SLAB=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    elif kind == "fwd_tiled":  # BLOCK_H rows = (query, head) pairs of a query tile
+        cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3)
+    else:  # "bwd_tiled"
+        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
+    cfg.update(config.overrides(kind))
+    if kind.endswith("tiled"):
+        cfg["BLOCK_H"] = config.tile_rows
+    # Tiled kernels read membership bits a 32-bit word at a time: BLOCK_N in {32, 64, 128}.
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(32 if kind.endswith("tiled") else 16, _next_pow2(num_idx)))
+    return cfg
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full fp32 products (not tf32): the fp32 path is the accuracy path.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class KeyLists(NamedTuple):
+    """What one program iterates: a token's own index row, or a query tile's union of keys.
+
+    ``idx`` [B, P, L] int32 (-1 = skip) holds one key list per program (P = S tokens or S / tile_q
+    tiles) and ``num`` [B, P] int32 how many of its slots a program walks: the union's length, or
+    a token row's extent (up to its last key, ``row_extent_kernel``). Tiled lists also carry
+    ``bits`` [B * P * tile_q, W] (bit u of a query's row: the query selected union key u);
+    per-token lists pass ``idx`` there.
+    """
+
+    idx: torch.Tensor
+    num: torch.Tensor
+    bits: torch.Tensor
+    tile_q: int  # queries per tile; 0 = one program per token
+
+
+def union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int):
+    """Query tiles of ``tile_q`` consecutive queries: sorted union of their keys + membership bits.
+
+    Neighbouring queries share most of their selection (local window, sinks, popular far keys), so
+    a tile reads each shared key row once and runs one tensor-core product for all its queries'
+    heads, and its dK/dV contribution per key is summed in registers before the one atomic add.
+    Built by Triton kernels without a sort (``tile_unions.py``; torch reference:
+    ``naive.tile_unions_reference``). Returns None when a query lists one key twice (a bit
+    cannot count it; the per-token path can).
+    """
+    lists = tile_unions(indices, tile_q, num_keys)
+    return None if lists is None else KeyLists(*lists, tile_q)
+
+
+def token_lists(indices: torch.Tensor) -> KeyLists:
+    """One program per token over its own (contiguous) index row, walked up to the row's extent."""
+    B, S, L = indices.shape
+    extent = torch.empty(B, S, dtype=torch.int32, device=indices.device)
+    if B * S:
+        block_r = 16
+        kernels.row_extent_kernel[(triton.cdiv(B * S, block_r),)](
+            indices, extent, B * S, L, GRAIN=EXTENT_GRAIN, BLOCK_R=block_r, BLOCK_K=min(256, _next_pow2(L))
+        )  # fmt: skip
+    return KeyLists(indices, extent, indices, 0)
+
+
+def key_lists(
+    indices: torch.Tensor, num_keys: int, group: int, wide: bool, config: SparseAttentionConfig | None = None
+) -> KeyLists:
+    """Query tiles (union key lists) where a tile holds >= 2 queries, else per-token index rows."""
+    rows = resolve_config(config).tile_rows
+    tile_q = rows // group if rows and not wide else 0
+    if tile_q >= 2:
+        lists = union_tiles(indices, tile_q, num_keys)
+        if lists is not None:
+            return lists
+    return token_lists(indices)
+
+
+def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttentionConfig):
+    """Returns o, lse and the key lists (saved for the backward)."""
+    B, S, Hq, Dqk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = Hq // Hkv
+    d1, d2 = _split_key_dim(Dqk)
+    v_from_k = v_is_k_prefix(k, v) and Dv == d1
+    o = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config)
+    if S == 0:
+        return o, lse, lists
+    run = lists
+    if lists.tile_q and lists.idx.shape[2] > TILED_FWD_MAX_UNION * indices.shape[2]:
+        # Little overlap between neighbouring queries: a tile's product would be mostly masked
+        # work, while the per-token forward only moves the selected rows. (The backward still
+        # takes the tiles: there a key's contributions sum in registers before one atomic add.)
+        run = token_lists(indices)
+    if _gluon_mla_forward_applies(q, k, v_from_k, run, config):
+        mla_forward_gluon.mla_forward(q, k, run.idx, run.num, scale * _LOG2E, o, lse)
+        return o, lse, lists
+    L = run.idx.shape[2]
+    if run.tile_q:
+        cfg = launch_config("fwd_tiled", group, Dqk, Dv, L, config)
+        nhb, programs = 1, run.idx.shape[1]
+    else:
+        cfg = launch_config("fwd", group, Dqk, Dv, L, config)
+        nhb, programs = triton.cdiv(group, cfg["BLOCK_H"]), S
+    kernels.sparse_attn_fwd_kernel[(programs, B * Hkv * nhb)](
+        q, k, v, run.idx, run.num, run.bits, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *run.idx.stride(), run.bits.stride(0) if run.tile_q else 0,
+        *o.stride(), *lse.stride(),
+        S, L, Hkv, group, nhb, run.idx.shape[1], max(1, run.tile_q), scale * _LOG2E,
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, TILED=bool(run.tile_q), BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return o, lse, lists
+
+
+def sparse_attention_bwd(
+    q, k, v, lists, o, lse, do, dlse, scale: float, merge_dv: bool, deterministic: bool, config: SparseAttentionConfig
+):
+    """Returns (dq, dk, dv); dv is None when ``merge_dv`` folded it into dk."""
+    B, S, Hq, Dqk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    idx = lists.idx
+    L = idx.shape[2]
+    group = Hq // Hkv
+    d1, d2 = _split_key_dim(Dqk)
+    v_from_k = v_is_k_prefix(k, v) and Dv == d1
+    merge_dv = merge_dv and v_from_k
+    tiled = bool(lists.tile_q)
+    cfg = launch_config("bwd_tiled" if tiled else "bwd", group, Dqk, Dv, L, config)
+    split = cfg.get("split", False)
+    nhb = 1 if tiled else triton.cdiv(group, cfg["BLOCK_H"])
+    ncol = Dqk if merge_dv else Dqk + Dv
+    dq = torch.empty(B, S, Hq, Dqk, dtype=q.dtype, device=q.device)
+    acc = torch.zeros(B, T, Hkv, ncol, dtype=torch.float32, device=q.device)
+    units = idx.shape[1]  # programs along dim 0: tokens, or query tiles
+    if S == 0:
+        return dq, acc[..., :Dqk].to(k.dtype), None if merge_dv else acc[..., Dqk:].to(v.dtype)
+    has_dlse = dlse is not None
+    dlse_t = dlse if has_dlse else lse  # any fp32 [B, S, Hq] tensor; unread without HAS_DLSE
+    common = dict(
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, MERGE_DV=merge_dv, HAS_DLSE=has_dlse,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    grid_heads = B * Hkv * nhb
+
+    # Programs go in chunks when a per-chunk buffer is needed: dS (split kernels) or scratch.
+    chunk = units
+    if split:
+        chunk = min(chunk, DS_BYTES // (B * Hq * L * q.element_size()))
+    if deterministic:
+        chunk = min(chunk, SCRATCH_BYTES // (B * L * Hkv * nhb * ncol * 4))
+    chunk = max(1, chunk)
+    ds_buf = torch.empty(B, chunk, Hq, L, dtype=q.dtype, device=q.device) if split else None
+    if deterministic:
+        target = torch.empty(B * chunk * L, Hkv * nhb, ncol, dtype=torch.float32, device=q.device)
+        tstrides = (0, target.stride(0), target.stride(1))
+    else:
+        target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
+
+    for t0 in range(0, units, chunk):
+        count = min(chunk, units - t0)
+        if split:
+            args = (
+                *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(), *do.stride(),
+                *lse.stride(), *dlse_t.stride(),
+            )  # fmt: skip
+            kernels.sparse_attn_bwd_dkv_kernel[(count, grid_heads)](
+                q, k, v, idx, lists.num, o, do, lse, dlse_t, ds_buf, target, *args,
+                ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
+                t0, count, S, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
+            )  # fmt: skip
+            qcfg = launch_config("bwd_dq", group, Dqk, Dv, L, config)
+            if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
+                raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")
+            slab = min(d1, qcfg["SLAB"])
+            kernels.sparse_attn_bwd_dq_kernel[(count, grid_heads, d1 // slab)](
+                ds_buf, k, idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
+                *k.stride(), *idx.stride(), *dq.stride(), t0, S, L, Hkv, group, nhb,
+                D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
+                DOT_PREC=_dot_precision(q.dtype), num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],
+            )  # fmt: skip
+        else:
+            kernels.sparse_attn_bwd_kernel[(count, grid_heads)](
+                q, k, v, idx, lists.num, lists.bits, o, do, lse, dlse_t, dq, target,
+                *q.stride(), *k.stride(), *v.stride(), *idx.stride(), lists.bits.stride(0) if tiled else 0,
+                *o.stride(), *do.stride(), *lse.stride(), *dlse_t.stride(), *dq.stride(), *tstrides,
+                t0, count, S, L, Hkv, group, nhb, units, max(1, lists.tile_q), scale, scale * _LOG2E,
+                SCRATCH=deterministic, TILED=tiled, **common,
+            )  # fmt: skip
+        if deterministic:
+            _reduce_scratch(idx[:, t0 : t0 + count], target, acc, nhb, ncol)
+    dk = acc[..., :Dqk].to(k.dtype)
+    dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
+    return dq, dk, dv
+
+
+def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:
+    """acc[b, key] += the chunk's scratch rows of that key, summed in query order (no atomics)."""
+    B, T, Hkv = acc.shape[0], acc.shape[1], acc.shape[2]
+    batch_key = torch.arange(B, device=acc.device, dtype=torch.int64)[:, None, None] * T
+    keys = torch.where(idx >= 0, idx.to(torch.int64) + batch_key, B * T).flatten()
+    sorted_keys, perm = torch.sort(keys, stable=True)  # stable: a key's pairs stay in query order
+    n_valid = int((idx >= 0).sum())
+    if n_valid == 0:
+        return
+    seg_key, counts = torch.unique_consecutive(sorted_keys[:n_valid], return_counts=True)
+    seg_start = torch.zeros(seg_key.numel() + 1, dtype=torch.int64, device=acc.device)
+    torch.cumsum(counts, 0, out=seg_start[1:])
+    block_c = 64
+    kernels.scratch_reduce_kernel[(seg_key.numel(), Hkv, triton.cdiv(ncol, block_c))](
+        scratch, perm, seg_start, seg_key, acc,
+        scratch.stride(0), scratch.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        T, nhb, ncol, BLOCK_C=block_c,
+    )  # fmt: skip

@@ -1,0 +1,95 @@
+"""Sparse attention in pure torch: the test oracle of the Triton and Gluon kernels, and the CPU backend.
+
+Differentiable through torch autograd (gathers, einsums); memory O(B * S * K * Hkv * D) for the
+gathered keys, so large inputs go a query chunk at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..windows import compute_dtype
+from .mla_query import absorbed_query
+
+
+def gather_keys(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] gathered at indices [B, S, K] (-1 -> row 0, masked later) -> [B, S, K, ...]."""
+    b = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    return x[b, indices.clamp_min(0).long()]
+
+
+def sparse_attention_reference(q, k, v, indices, scale):
+    """Attention of each query over its selected keys only.
+
+    q [B, S, Hq, Dqk], k [B, T, Hkv, Dqk], v [B, T, Hkv, Dv], indices [B, S, K] int32 (-1 skipped).
+    Returns o [B, S, Hq, Dv] (q's dtype; zeros for a query with no key) and lse [B, S, Hq] fp32
+    (``-inf`` there). Differentiable in q, k, v through torch autograd.
+    """
+    B, S, Hq, _ = q.shape
+    Hkv, Dv = k.shape[2], v.shape[-1]
+    G = Hq // Hkv
+    dt = compute_dtype(q, k, v)
+    valid = indices >= 0  # [B, S, K]
+    kg = gather_keys(k, indices).to(dt)  # [B, S, K, Hkv, D]
+    vg = gather_keys(v, indices).to(dt)
+    qg = q.to(dt).view(B, S, Hkv, G, -1)
+    logits = torch.einsum("bshgd,bskhd->bshgk", qg, kg) * scale
+    logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    any_valid = valid.any(-1)[:, :, None, None]
+    p = torch.exp(logits - torch.where(any_valid, lse, torch.zeros_like(lse))[..., None])
+    o = torch.einsum("bshgk,bskhd->bshgd", p, vg)
+    lse = lse.masked_fill(~any_valid, float("-inf"))
+    return o.reshape(B, S, Hq, Dv).to(q.dtype), lse.reshape(B, S, Hq).to(torch.float32 if dt != torch.float64 else dt)
+
+
+def tile_unions_reference(indices: torch.Tensor, tile_q: int, num_keys: int):
+    """Query tiles of ``tile_q`` consecutive queries: sorted union of their keys + membership bits.
+
+    The key lists of the tiled GQA sparse attention kernels (``host.union_tiles``; the Triton build
+    is ``tile_unions.tile_unions``). indices int32 [B, S, K] (-1 and keys outside
+    [0, num_keys) skipped); n = cdiv(S, tile_q) tiles per sequence, the last one padded with empty
+    queries. Returns ``(union, num, bits)``: union int32 [B, n, max_u] (each tile's distinct keys
+    ascending, -1 padded; max_u = max(1, widest tile)), num int32 [B, n] (keys per tile) and bits
+    int32 [B * n * tile_q, 4 * cdiv(max_u, 128)] (bit u of a query's row: the query selected union
+    slot u; whole 128-slot groups, so a kernel block of <= 128 slots never reads past a row).
+    Returns None when a query lists one key twice (a bit cannot count it; the per-token path can).
+    """
+    B, S, K = indices.shape
+    n_tiles = -(-S // tile_q)
+    idx = indices
+    if n_tiles * tile_q != S:
+        idx = torch.nn.functional.pad(indices, (0, 0, 0, n_tiles * tile_q - S), value=-1)
+    vals = idx.reshape(B * n_tiles, tile_q * K)
+    vals = torch.where(vals >= 0, vals, num_keys)  # -1 sorts last (keys >= num_keys are skipped too)
+    srt, order = torch.sort(vals, dim=1, stable=True)  # stable: equal keys stay in query order
+    valid = srt < num_keys
+    new = torch.ones_like(valid)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    same_query = (order[:, 1:] // K) == (order[:, :-1] // K)
+    if bool((valid[:, 1:] & ~new[:, 1:] & same_query).any()):
+        return None
+    first = new & valid
+    slot = torch.cumsum(first, dim=1, dtype=torch.int32) - 1  # union slot of each sorted entry
+    num = first.sum(dim=1, dtype=torch.int32)
+    max_u = max(1, int(num.max())) if num.numel() else 1
+    rows = torch.arange(B * n_tiles, device=idx.device)[:, None].expand_as(first)
+    union = torch.full((B * n_tiles, max_u), -1, dtype=torch.int32, device=idx.device)
+    union[rows[first], slot[first].long()] = srt[first]
+    words = 4 * (-(-max_u // 128))
+    bit_row = rows * tile_q + order // K  # the query (row of bits) each sorted entry belongs to
+    flat = (bit_row * words + (slot // 32))[valid]
+    bits = torch.zeros(B * n_tiles * tile_q * words, dtype=torch.int32, device=idx.device)
+    bits.scatter_add_(0, flat, torch.bitwise_left_shift(torch.ones_like(slot), slot % 32)[valid])  # distinct bits: + is |
+    return union.view(B, n_tiles, max_u), num.view(B, n_tiles), bits.view(-1, words)
+
+
+def mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim: int, scale: float):
+    """MLA absorbed-form sparse attention as a plain composition (see ``mla.mla_sparse_attention``).
+
+    attn_q = ``absorbed_query(q_nope, q_rot, w_uk)``; attention over the selected rows of ``kv``
+    [B, T, 1, C + R] with values its first ``value_dim`` dims. Returns (o, lse, attn_q).
+    """
+    attn_q = absorbed_query(q_nope, q_rot, w_uk)
+    o, lse = sparse_attention_reference(attn_q, kv, kv[..., :value_dim], indices, scale)
+    return o, lse, attn_q

@@ -1,0 +1,130 @@
+"""Sparse attention's public function and autograd wrapper (GQA/MHA and MLA absorbed).
+
+The Triton path: ``host.py`` launches the kernels of ``triton_kernels.py`` (whose docstring gives
+the design); the torch path: ``naive.sparse_attention_reference`` (autograd through gathers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_dim, check_indices, check_same_device, check_tensor, resolve_backend
+from .host import (
+    HAS_TRITON,
+    KeyLists,
+    SparseAttentionConfig,
+    resolve_config,
+    sparse_attention_bwd,
+    sparse_attention_fwd,
+    triton_unsupported_reason,
+    v_grad_flows_into_k,
+)
+from .naive import sparse_attention_reference
+
+
+class _SparseAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic, config):
+        o, lse, lists = sparse_attention_fwd(q, k, v, indices, scale, config)
+        ctx.save_for_backward(q, k, v, lists.idx, lists.num, lists.bits, o, lse)
+        ctx.tile_q, ctx.scale, ctx.merge_dv, ctx.deterministic = lists.tile_q, scale, merge_dv, deterministic
+        ctx.config = config
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, idx, num, bits, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        lists = KeyLists(idx, num, bits, ctx.tile_q)
+        dq, dk, dv = sparse_attention_bwd(
+            q, k, v, lists, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic, ctx.config
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False, config=None):
+    """Differentiable Triton sparse attention: (o [B, S, Hq, Dv] in q's dtype, lse [B, S, Hq] fp32)."""
+    merge_dv = v_grad_flows_into_k(k, v)
+    return _SparseAttentionFn.apply(
+        q, k, v, indices.contiguous(), float(scale), merge_dv, bool(deterministic), resolve_config(config)
+    )
+
+
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    deterministic: bool | None = None,
+    config: SparseAttentionConfig | None = None,
+):
+    """``o[b, i, h] = sum_{s in S_i} softmax_s(scale * q[b, i, h] . k[b, s, g(h)]) v[b, s, g(h)]``.
+
+    ``S_i`` is the set in ``indices[b, i]`` (one set per query, shared by all heads; ``-1``
+    entries are skipped; a repeated index counts once per occurrence, as in the reference).
+    ``g(h) = h // (Hq // Hkv)`` maps query heads to KV heads.
+    MLA absorbed form: ``Hkv = 1``, ``k`` the latent rows ``[B, T, 1, 576]`` and ``v`` a view of
+    their first 512 dims (``k[..., :512]``); gradients of both add into ``k``'s buffer.
+
+    Args:
+        q: ``[B, S, Hq, Dqk]`` bf16/fp16/fp32 (fp64 for gradcheck).
+        k: ``[B, T, Hkv, Dqk]``; Hq must be a multiple of Hkv.
+        v: ``[B, T, Hkv, Dv]``.
+        indices: int32 ``[B, S, K]`` with entries in ``[-1, T)``.
+        scale: softmax scale; default ``Dqk ** -0.5``.
+        return_lse: also return the fp32 log-sum-exp ``[B, S, Hq]`` (``-inf`` for a query with no
+            selected key, whose output is 0). The lse is differentiable too.
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"``. The Triton kernel takes q, k, v of one
+            dtype (fp16/bf16/fp32), ``Dv`` a power of two >= 16 and ``Dqk`` a power of two >= 16
+            plus an optional power-of-two tail >= 16 (576 = 512 + 64); ``"auto"`` uses the
+            reference for anything else.
+        deterministic: Triton backward only. ``False``: dK/dV accumulate with fp32 atomics (fastest;
+            the summation order, hence the last bits, vary between runs). ``True``: an ordered,
+            atomic-free accumulation through a scratch buffer (bit-reproducible, slower). ``None``
+            (default) follows ``torch.are_deterministic_algorithms_enabled()``.
+        config: Triton only: tile shapes and kernel variants (``SparseAttentionConfig``; None = the
+            measured defaults, ``host.DEFAULT_CONFIG``). The tuning script sweeps it.
+
+    Returns:
+        ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
+    """
+    check_tensor("q", q, 4, "[B, S, Hq, Dqk]")
+    B, S, Hq, Dqk = q.shape
+    kdoc = f"[B={B}, T, Hkv, Dqk={Dqk}]"
+    check_tensor("k", k, 4, kdoc)
+    check_dim("k", k, 0, B, kdoc)
+    check_dim("k", k, 3, Dqk, kdoc)
+    T, Hkv = k.shape[1], k.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q has Hq = {Hq} heads, not a multiple of k's Hkv = {Hkv} heads")
+    vdoc = f"[B={B}, T={T}, Hkv={Hkv}, Dv]"
+    check_tensor("v", v, 4, vdoc)
+    for dim, size in ((0, B), (1, T), (2, Hkv)):
+        check_dim("v", v, dim, size, vdoc)
+    check_same_device(q=q, k=k, v=v, indices=indices)
+    check_indices(indices, B, S, T)
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+    if scale is None:
+        scale = Dqk**-0.5
+    unsupported = triton_unsupported_reason(q, k, v) if HAS_TRITON else "no Triton"
+    if backend == "auto" and unsupported is not None:
+        backend = "torch"
+    chosen = resolve_backend(backend, q.device, HAS_TRITON)
+    if chosen == "triton":
+        if unsupported is not None:
+            raise ValueError(f"backend='triton' cannot take these inputs: {unsupported}")
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
+    else:
+        o, lse = sparse_attention_reference(q, k, v, indices, scale)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,408 @@
+"""Host code of HyTopK's Triton path: launch config, scratch, chunking over CUDA streams, counters.
+
+The kernels live in ``triton_kernels.py`` (the algorithm is described there) and, for the scan on
+sm_90 with long inputs, in ``scan_gluon.py``. ``hytopk_triton`` is the launch; it is public so that
+tests and tuning scripts can choose the tiling (``HyTopKConfig``), the candidate buffer and the
+rows per launch, and time the scan alone or the scoring alone (``profile``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..windows import query_windows
+from .naive import hytopk_reference
+
+try:  # Triton is optional (CPU-only installs on other platforms); the torch path always works.
+    import triton
+
+    from . import triton_kernels as _kernels
+except ImportError:  # pragma: no cover
+    triton = None
+    _kernels = None
+try:  # host-side TMA descriptors (Triton >= 3.4); without them the scan loads keys through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+try:  # the warp-specialised Hopper scan (Gluon); a Triton without Gluon's Hopper names runs the Triton scan
+    from triton.experimental.gluon import language as _gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+
+    from . import scan_gluon
+except (ImportError, AttributeError):  # pragma: no cover
+    scan_gluon = None
+
+# Whether this build has the Triton kernels (the op's "triton" backend).
+HAS_TRITON = _kernels is not None
+
+# ----------------------------------------------------------------------------- Triton backend
+
+# Global scratch for the per-row candidate buffers of one launch (about 8 * topk int64 keys per row).
+# Longer inputs run in query chunks that reuse it, so extra memory stays O(B*S*topk) + this.
+SCRATCH_BYTES = 1 << 30
+# Largest K (= min(topk, T)) the Triton path takes; larger K use the (exact) torch path. The bound
+# dates from the final selection's old in-register sort; the GPU tests go up to K = 2048.
+MAX_TRITON_TOPK = 4096
+# Scratch of the final per-row selection (bitmaps + word ranks of its persistent programs).
+FINALIZE_SCRATCH_BYTES = 128 << 20
+
+_STATS: dict = {"calls": 0, "rows": 0}
+_STATS_DEVICE: dict = {}  # device -> int64 [2]: rows refined, refinements (added without a sync)
+
+
+def hytopk_stats() -> dict:
+    """Counters of the Triton HyTopK since the last ``reset_hytopk_stats()`` (synchronises).
+
+    ``rows``: query rows processed; ``rows_refined``: rows whose candidate buffer filled up and was
+    refined in place (a new exact threshold from a radix select over the buffer, then compaction:
+    repaired, never truncated); ``refines``: total refinements.
+    """
+    refined = sum(int(t[0]) for t in _STATS_DEVICE.values())
+    refines = sum(int(t[1]) for t in _STATS_DEVICE.values())
+    return {"calls": _STATS["calls"], "rows": _STATS["rows"], "rows_refined": refined, "refines": refines}
+
+
+def reset_hytopk_stats() -> None:
+    _STATS.update(calls=0, rows=0)
+    _STATS_DEVICE.clear()
+
+
+@dataclass(frozen=True)
+class HyTopKConfig:
+    """Tile shape of the scan kernel: BQ query rows x all heads (matmul N) by BN keys (matmul M)."""
+
+    BQ: int
+    BN: int
+    num_warps: int = 8
+    num_stages: int = 2
+    CH: int = 1024  # buffer keys per step of the radix select / compaction
+    maxnreg: int | None = None  # register cap per thread (more programs per SM)
+    finalize_warps: int = 4  # warps of the per-row final selection
+    refine_warps: int = 4  # warps of the per-row buffer refine
+    # Radix select digit: 2**select_bits histogram buckets per level. H200, T = 128K, bits 8 / 7 / 6 /
+    # 5 / 4: refines 24.3 / 22.6 / 24.0 / 24.7 / 29.5 ms, final selection 15.4 / 13.7 / 13.9 / 15.1 /
+    # 17.1 ms (tl.histogram's cost grows with the bucket count, fewer buckets need more levels).
+    select_bits: int = 7
+    # Key tiles of the scan through the copy engine (a TMA tensor descriptor) where the keys allow
+    # it (GPU only): H200, T = 128K: scan 143-146 ms against 150-154 ms with pointer loads.
+    tma: bool = True
+    # Query chunks run in this many lanes (CUDA streams, each with its share of the scratch), so one
+    # chunk's refines and final selection (memory-bound) overlap another chunk's scan (GPU only).
+    lanes: int = 2
+    # The warp-specialised Gluon scan on sm_90 (``scan_gluon``) where it applies, with this
+    # many key tiles in its ring (H200, T = 128K: 4 stages 151.1 ms, 3 stages 154.5 ms).
+    gluon_scan: bool = True
+    gluon_stages: int = 4
+
+    def __post_init__(self):
+        # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
+        if not 3 <= self.select_bits <= 8:
+            raise ValueError(f"HyTopKConfig.select_bits must be in [3, 8], got {self.select_bits}")
+        if self.lanes < 1:
+            raise ValueError(f"HyTopKConfig.lanes must be >= 1, got {self.lanes}")
+        if self.gluon_stages < 1:
+            raise ValueError(f"HyTopKConfig.gluon_stages must be >= 1, got {self.gluon_stages}")
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> HyTopKConfig:
+    hp = triton.next_power_of_2(H)
+    if _interpreting(device):  # tiny tiles: the interpreter runs every op in numpy
+        return HyTopKConfig(BQ=max(2, 32 // hp), BN=16, num_warps=4, num_stages=1, CH=64)
+    if dtype == torch.float32:  # ieee fp32 dot (exact products): no tensor-core speed anyway
+        return HyTopKConfig(BQ=max(1, 64 // hp), BN=64, num_warps=4, num_stages=2)
+    # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
+    # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
+    return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+
+
+# Product columns (queries x heads) per selection warpgroup of the Gluon scan.
+GLUON_SCAN_COLUMNS = 256
+# Keys per sequence from which the Gluon scan runs: one program per SM of 16 queries leaves SMs idle
+# at the end of each launch, which long windows amortise. H200, H = 32, same runs, scan kernel time:
+# 8K 0.69 against 0.56 ms for the Triton scan, 32K 10.3 against 9.4-10.0, 64K 41.4-43.5 against
+# 44.3, 128K whole op 151.1 against 162.3 ms (benchmarks/notes.md).
+GLUON_SCAN_MIN_KEYS = 65536
+
+
+def _gluon_scan_applies(q, k, cfg: HyTopKConfig, interp: bool, cu_seqlens) -> bool:
+    """The Gluon scan (``scan_gluon``) takes sm_90 with bf16/fp16 keys through TMA, H 32 or 64
+    (BQ = 256 / H queries per warpgroup: its column order needs a multiple of 4, and more queries
+    would need more registers for their row state), D a power of two in [16, 256] and on average
+    at least ``GLUON_SCAN_MIN_KEYS`` keys per sequence; ``HyTopKConfig.gluon_scan = False`` turns
+    it off (the Triton scan then runs)."""
+    if scan_gluon is None or interp or not cfg.gluon_scan or not q.is_cuda:
+        return False
+    H, D = q.shape[2], q.shape[3]
+    n_seqs = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    return (
+        torch.cuda.get_device_capability(q.device) == (9, 0) and q.dtype in (torch.bfloat16, torch.float16)
+        and cfg.tma and cfg.BN == 64 and H in (32, 64) and D in (16, 32, 64, 128, 256) and k.data_ptr() % 16 == 0
+        and k.shape[1] >= n_seqs * GLUON_SCAN_MIN_KEYS
+    )  # fmt: skip
+
+
+def _finalize_programs(device: torch.device) -> int:
+    """Programs of the persistent final selection: a few per SM (4 on the interpreter, which still
+    walks several rows per program)."""
+    if device.type != "cuda":
+        return 4
+    return 6 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[int]:
+    """Key tiles the longest block walks, per chunk of R query rows (one scan launch per SEG tiles).
+
+    Chunk c holds rows [c * R, (c + 1) * R); its blocks are BQ consecutive rows from the chunk's
+    start. A block walks the BN-key tiles from its earliest live window start to its latest window
+    end (query i of S sees keys ``start[i] <= s <= T - S + i``), as the scan kernel computes it.
+    """
+    B, S = start.shape
+    dev = start.device
+    i = torch.arange(S, device=dev)
+    per_chunk = triton.cdiv(R, BQ)
+    block = ((i // R) * per_chunk + (i % R) // BQ).expand(B, S)
+    end = (T - S + i).expand(B, S)
+    lo = start.to(torch.int64)
+    live = lo <= end
+    n_blocks = triton.cdiv(S, R) * per_chunk
+    b_lo = torch.full((B, n_blocks), T, dtype=torch.int64, device=dev)
+    b_hi = torch.full((B, n_blocks), -1, dtype=torch.int64, device=dev)
+    b_lo.scatter_reduce_(1, block, torch.where(live, lo, T), "amin")
+    b_hi.scatter_reduce_(1, block, torch.where(live, end, -1), "amax")
+    tiles = torch.where(b_hi >= b_lo, b_hi // BN - b_lo // BN + 1, 0)
+    return tiles.view(B, -1, per_chunk).amax(dim=(0, 2)).tolist()
+
+
+@dataclass
+class _LaneScratch:
+    """Per-lane scratch of one call: a chunk's candidate buffers and row state, the final
+    selection's bitmaps, and the lane's counters (rows refined, refines; NaN seen)."""
+
+    buf: torch.Tensor
+    cnt: torch.Tensor
+    th: torch.Tensor
+    refine: torch.Tensor
+    nan_rows: torch.Tensor
+    dbg_rows: torch.Tensor
+    fin_bitmap: torch.Tensor
+    fin_words: torch.Tensor
+    stats: torch.Tensor
+    nan_any: torch.Tensor | None
+
+
+def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, check_nan, score_only) -> _LaneScratch:
+    cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
+    return _LaneScratch(
+        buf=torch.empty(B, R, row_keys, dtype=torch.int64, device=dev),
+        cnt=cnt,
+        # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
+        th=torch.empty(B, R, 4, dtype=torch.int32, device=dev),
+        refine=torch.empty(B, R, dtype=torch.int32, device=dev),
+        nan_rows=torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt,
+        dbg_rows=torch.empty(B, R, dtype=torch.float32, device=dev) if score_only else cnt,
+        fin_bitmap=torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev),
+        fin_words=torch.empty(n_fin, n_words, dtype=torch.int64, device=dev),
+        stats=torch.zeros(2, dtype=torch.int64, device=dev),
+        nan_any=torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None,
+    )
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev: torch.device, lane: int):
+    """Lane ``lane``'s stream on ``dev`` (created once, reused by every call)."""
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), lane)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE_STREAMS[key]
+
+
+def hytopk_triton(
+    q, k, w, topk, *, cu_seqlens=None, window_start=None, relu=True, check_nan=False, return_scores=True,
+    config: HyTopKConfig | None = None, cap: int | None = None, chunk_rows: int | None = None,
+    profile: str | None = None,
+):  # fmt: skip
+    """Host launch of the Triton HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
+
+    Inputs and outputs as in ``hytopk`` (which checks them; this function does not). ``scores`` is
+    ``[B, S, 0]`` when ``return_scores`` is False.
+
+    Tuning (tests and ``scripts/bench_hytopk.py``; the defaults are what ``hytopk`` runs):
+        config: tile shape and kernel variants (``HyTopKConfig``); default ``pick_config(...)``.
+        cap: candidate buffer keys per row (slots x depth); small values force many refinements.
+        chunk_rows: query rows per launch (default: as many as ``SCRATCH_BYTES`` holds, in equal chunks).
+        profile: ``None`` (the whole op), ``"scan"`` (stop before the final per-row selection; returns
+            the buffer fill counts of the last chunk) or ``"scoring"`` (score only, nothing appended;
+            returns the per-row sums of visible scores, fp32 [B, S]): where the time goes.
+    """
+    if profile not in (None, "scan", "scoring"):
+        raise ValueError(f"profile must be None, 'scan' or 'scoring', got {profile!r}")
+    score_only, scan_only = profile == "scoring", profile == "scan"
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    K = min(topk, T)
+    if torch.float64 in (q.dtype, k.dtype, w.dtype) or K > MAX_TRITON_TOPK:
+        # fp64, or a K above MAX_TRITON_TOPK: the torch path gives the same exact answer.
+        idx, sc = hytopk_reference(
+            q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
+        )
+        return idx, (sc if return_scores else sc[..., :0])
+    if q.dtype != k.dtype:  # mixed half types: fp32 holds both exactly
+        q, k = q.float(), k.float()
+    cfg = config or pick_config(H, D, q.dtype, q.device)
+    interp = _interpreting(q.device)
+    HP, DP = triton.next_power_of_2(H), max(16, triton.next_power_of_2(D))
+    BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
+    BN = cfg.BN
+    use_gluon = _gluon_scan_applies(q, k, cfg, interp, cu_seqlens)
+    if use_gluon:  # two groups of BQ queries per program, BQ * H = 256 product columns each
+        BQ = GLUON_SCAN_COLUMNS // H
+    PR = 2 * BQ if use_gluon else BQ  # query rows per scan program
+    # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
+    # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
+    # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
+    if cap is None:
+        # 8 * K keys rather than 4 * K: longer segments (fewer scan and refine launches) and fewer
+        # refines (H200, T = 128K: 192K against 340K per call) outweigh the final selection's larger
+        # buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072`
+        # (16 * K was slower, 170.9 ms: benchmarks/notes.md).
+        k_pow2 = triton.next_power_of_2(K)
+        cap = max(8 * k_pow2, k_pow2 + 4 * BN)
+    k_slots = triton.cdiv(K, BN)
+    SC = max(triton.cdiv(cap, BN), k_slots + 2)
+    seg = max(1, (SC - k_slots) // 3)
+    slack = max(0, ((SC - seg) * BN - K) // 2)
+    OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
+    dev = q.device
+    # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
+    # cfg.lanes lanes (the current stream and side streams, each with its share of the scratch), so
+    # one chunk's refines and final selection (memory-bound) run beside another's scan (matmul-bound).
+    lanes = cfg.lanes if dev.type == "cuda" else 1
+    if chunk_rows is None:  # equal chunks: a short last one would leave SMs idle on its long rows
+        R_max = max(PR, SCRATCH_BYTES // lanes // ((8 * SC + 4) * BN * B) // PR * PR)
+        R = min(S, triton.cdiv(triton.cdiv(S, triton.cdiv(S, R_max)), PR) * PR)
+    else:
+        R = min(S, chunk_rows)
+    chunk_starts = range(0, S, R)
+    lanes = min(lanes, len(chunk_starts))
+
+    start, _ = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
+    start = start.clamp(0, T).to(torch.int32)
+    q = q.contiguous()
+    k = k.contiguous()
+    w = w.to(torch.float32).contiguous()
+    dbg = torch.zeros(B, S, dtype=torch.float32, device=dev) if score_only else None
+    n_out = topk if return_scores else 0
+    if topk > K:  # columns no row can fill
+        indices = torch.full((B, S, topk), -1, dtype=torch.int32, device=dev)
+        scores = torch.full((B, S, n_out), float("-inf"), dtype=torch.float32, device=dev)
+    else:
+        indices = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
+        scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
+    # Final-selection scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
+    # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
+    n_words = triton.cdiv(T, 32)
+    n_fin = max(1, min(_finalize_programs(dev), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
+    lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, check_nan, score_only) for _ in range(lanes)]
+    # TMA needs a 16-byte aligned base and row pitch and a box of at most 256 per dimension; the
+    # descriptor's [1, BN, DP] box is zero-filled past T and D, as the pointer path's masks are
+    use_tma = (
+        cfg.tma and not interp and TensorDescriptor is not None and DP <= 256
+        and k.data_ptr() % 16 == 0 and (D * k.element_size()) % 16 == 0
+    )  # fmt: skip
+    if use_gluon:  # the keys as [B * T, D] rows, a [BN, D] box per tile
+        layout = _gl.NVMMASharedLayout.get_default_for([BN, D], _gl.bfloat16 if k.dtype == torch.bfloat16 else _gl.float16)
+        k_desc = _GluonTensorDescriptor.from_tensor(k.view(B * T, D), [BN, D], layout)
+    else:
+        k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, BN, DP]) if use_tma else k
+    launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg and not interp:
+        launch["maxnreg"] = cfg.maxnreg
+    small = {} if interp else {"num_warps": cfg.refine_warps}
+    if cu_seqlens is None and window_start is None:  # windows [0, T - S + i]: known without a sync
+        tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in chunk_starts]
+    else:  # one sync: how many scan launches each chunk needs
+        tiles = chunk_tiles(start, T, PR, BN, R)
+    streams = [None]
+    if lanes > 1:  # side streams start after everything above (inputs, outputs, scratch)
+        streams = [torch.cuda.current_stream(dev)] + [_side_stream(dev, i) for i in range(1, lanes)]
+        for st in streams[1:]:
+            st.wait_stream(streams[0])
+    for c, (i0, n_tiles) in enumerate(zip(chunk_starts, tiles)):
+        rc = min(R, S - i0)
+        ls = lane_state[c % lanes]
+        buf, cnt, th, refine, nan_rows, dbg_rows = ls.buf, ls.cnt, ls.th, ls.refine, ls.nan_rows, ls.dbg_rows
+        with torch.cuda.stream(streams[c % lanes]) if lanes > 1 else contextlib.nullcontext():
+            cnt.zero_()
+            # tau = the smallest key (keep everything until the first refine); nothing stored: an
+            # empty range. Filled on the device: a tensor built from a Python list would be a
+            # host-to-device copy, which PyTorch follows with a stream sync (a host stall per call).
+            th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
+            th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
+            refine.zero_()
+            if score_only:
+                dbg_rows.zero_()
+            for seg0 in range(0, n_tiles, seg):
+                # A slot gains at most one key per tile, so none can be fuller than SC - seg before
+                # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
+                if not score_only and seg0 > SC - seg:
+                    _kernels.hytopk_refine_kernel[(rc, B)](
+                        buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                        ASM_STORE=not interp, **small,
+                    )  # fmt: skip
+                if use_gluon:
+                    scan_gluon.hytopk_scan_ws_kernel[(triton.cdiv(rc, PR), B)](
+                        q, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                        S, T, i0, rc, seg0, SC - seg,
+                        q.stride(0), q.stride(1), q.stride(2), *w.stride(), *start.stride(),
+                        H=H, BQ=BQ, SC=SC, SEG=seg, STAGES=cfg.gluon_stages,
+                        RELU=relu, CHECK_NAN=check_nan, SCORE_ONLY=score_only, num_warps=4,
+                    )  # fmt: skip
+                else:
+                    _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
+                        q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                        S, T, i0, rc, seg0, SC - seg,
+                        *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+                        H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
+                        RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
+                        UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
+                        ASM_STORE=not interp,
+                        **launch,
+                    )  # fmt: skip
+            if score_only:
+                dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
+            if score_only or scan_only:
+                continue
+            _kernels.hytopk_finalize_kernel[(min(B * rc, n_fin),)](
+                buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
+                indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
+                NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024,
+                WRITE_SCORES=return_scores, ASM_STORE=not interp,
+                **({} if interp else {"num_warps": cfg.finalize_warps}),
+            )  # fmt: skip
+            ls.stats += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
+            if check_nan:
+                ls.nan_any |= nan_rows[:, :rc].any()
+    for st in streams[1:]:
+        streams[0].wait_stream(st)
+    if score_only or scan_only:
+        return dbg if score_only else lane_state[(len(chunk_starts) - 1) % lanes].cnt
+    counters = _STATS_DEVICE.get(dev)
+    if counters is None:  # (not setdefault: its default would be allocated on every call)
+        counters = _STATS_DEVICE[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
+    for ls in lane_state:
+        counters += ls.stats
+    _STATS["calls"] += 1
+    _STATS["rows"] += B * S
+    if check_nan and bool(torch.stack([ls.nan_any for ls in lane_state]).any()):  # one host sync
+        raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
+    return indices, scores

@@ -1,0 +1,144 @@
+"""HyTopK's public function and custom op: exact top-k of the lightning-indexer scores.
+
+The custom op ``torch.ops.hyscale.hytopk`` is what selective checkpointing sees (selection replay);
+its body runs the Triton path (``host.hytopk_triton``) or the torch reference (``naive``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import (
+    check_cu_seqlens,
+    check_dim,
+    check_same_device,
+    check_tensor,
+    check_topk,
+    resolve_backend,
+)
+from . import selection_counts
+from .host import HAS_TRITON, hytopk_triton
+from .naive import hytopk_reference
+
+# ----------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("hyscale::hytopk", mutates_args=())
+def hytopk_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    topk: int,
+    cu_seqlens: torch.Tensor | None,
+    window_start: torch.Tensor | None,
+    relu: bool,
+    check_nan: bool,
+    backend: str,
+    return_scores: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatcher-visible HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
+
+    With ``return_scores=False`` the scores are ``[B, S, 0]`` (the Triton path then never writes
+    them: at 1M tokens and topk 2048 they would be another 8 GiB).
+    """
+    selection_counts.record_selection_run()  # replayed selections never get here (selection_stats)
+    if backend == "triton":
+        return hytopk_triton(
+            q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan,
+            return_scores=return_scores,
+        )  # fmt: skip
+    indices, scores = hytopk_reference(
+        q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
+    )
+    return indices, (scores if return_scores else scores[..., :0].clone())
+
+
+@hytopk_op.register_fake
+def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend, return_scores=True):
+    B, S = q.shape[:2]
+    n_scores = topk if return_scores else 0
+    return q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, n_scores, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- public function
+
+
+def hytopk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    topk: int,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    window_start: torch.Tensor | None = None,
+    relu: bool = True,
+    return_scores: bool = False,
+    check_nan: bool = False,
+    backend: str = "auto",
+):
+    """Exact top-k of the lightning-indexer scores, without a score table.
+
+    ``I[b, i, s] = sum_h w[b, i, h] * ReLU(q[b, i, h, :] . k[b, s, :])`` for every key ``s``
+    visible to query ``i``, which sits at key position ``T - S + i``: visible means
+    ``start <= s <= T - S + i``, with ``start`` the first key of the query's packed sequence
+    (``cu_seqlens``) or ``window_start`` (e.g. the first non-pad key), else 0.
+
+    Selection rule (unique set): score descending, then key index ascending; ``-0.0`` equals
+    ``+0.0``; NaN ranks below ``-inf`` (or raises with ``check_nan=True``); invisible keys are
+    never selected.
+
+    Args:
+        q: indexer queries ``[B, S, H, D]``, bf16/fp16/fp32.
+        k: indexer keys ``[B, T, D]`` (one key per token, shared by the heads), same dtype family.
+        w: per-query head weights ``[B, S, H]``, fp32 (scales folded in).
+        topk: K > 0. With K >= visible keys every visible key is returned.
+        cu_seqlens: optional int32/int64 ``[N + 1]`` packed-sequence offsets (needs B = 1, S = T).
+        window_start: optional integer ``[B]`` or ``[B, S]``: first visible key per row/query.
+        relu: apply ReLU to each head's logit (family-specific; default on).
+        return_scores: also return the fp32 scores of the selected keys.
+        check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
+            kernel never writes the score table: extra memory is the outputs plus a candidate
+            scratch of about ``host.SCRATCH_BYTES`` (1 GiB), reused over query chunks, and the final
+            selection's index bitmaps (at most ``host.FINALIZE_SCRATCH_BYTES``, 128 MiB). It computes in
+            fp32 from bf16/fp16/fp32 inputs (fp32 dot products in IEEE mode) and is deterministic;
+            fp64 inputs and ``min(topk, T) > 4096`` take the torch path (same exact contract).
+            On sm_90 (Hopper) with 32 or 64 heads and at least 64K keys per sequence, the scoring
+            pass runs a warp-specialised Gluon kernel (same contract). Inputs longer than one
+            chunk of the scratch alternate their query chunks between the current CUDA stream and
+            a side stream, which waits for the current stream first and is joined back into it
+            before the call returns (``HyTopKConfig.lanes``; neither step waits on the host).
+            ``hytopk_stats()`` counts the rows whose candidate buffer was refined. Tile shapes and
+            kernel variants are chosen per call through ``hyscale_hf.kernels.topk.hytopk_triton``
+            (``HyTopKConfig``; also its scan-only and scoring-only profiles).
+
+    Returns:
+        ``indices`` int32 ``[B, S, topk]``: selected key indices sorted ascending, ``-1`` padded;
+        with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
+        (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
+        continuous inputs the Triton scores can differ from the reference's in the last bits
+        because the head sum runs in another order).
+    """
+    check_tensor("q", q, 4, "[B, S, H, D]")
+    B, S, H, D = q.shape
+    check_tensor("k", k, 3, f"[B={B}, T, D={D}]")
+    check_dim("k", k, 0, B, f"[B={B}, T, D={D}]")
+    check_dim("k", k, 2, D, f"[B={B}, T, D={D}]")
+    T = k.shape[1]
+    check_tensor("w", w, 3, f"[B={B}, S={S}, H={H}] float32", dtypes=(torch.float32, torch.float64))
+    check_dim("w", w, 0, B, f"[B={B}, S={S}, H={H}]")
+    check_dim("w", w, 1, S, f"[B={B}, S={S}, H={H}]")
+    check_dim("w", w, 2, H, f"[B={B}, S={S}, H={H}]")
+    check_topk(topk)
+    if S > T:
+        raise ValueError(f"q has S = {S} queries but k has only T = {T} keys; need S <= T")
+    check_same_device(q=q, k=k, w=w, cu_seqlens=cu_seqlens, window_start=window_start)
+    check_cu_seqlens(cu_seqlens, B, S, T, q.device)
+    if window_start is not None:
+        check_tensor("window_start", window_start, window_start.dim(), "[B] or [B, S] integer",
+                     dtypes=(torch.int32, torch.int64))
+        if tuple(window_start.shape) not in ((B,), (B, S)):
+            raise ValueError(f"window_start must have shape [B={B}] or [B={B}, S={S}], got {tuple(window_start.shape)}")
+    chosen = resolve_backend(backend, q.device, HAS_TRITON)
+    indices, scores = hytopk_op(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen, return_scores)
+    return (indices, scores) if return_scores else indices

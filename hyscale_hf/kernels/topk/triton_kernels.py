@@ -1,0 +1,432 @@
+"""Triton kernels of HyTopK (host launch: ``host.py``; custom op and public function: ``op.py``).
+
+Exact streaming top-k without a score table. Every candidate is an int64 *key* that orders like the
+tie rule (``naive.score_sort_keys``): ``mono(score) << 32 | (2**32 - 1 - index)``, where ``mono``
+is an order-preserving int32 image of the fp32 score (-0.0 -> +0.0, NaN just above the masked
+sentinel). Keys are unique, so "the K largest keys" is one exact set.
+
+``hytopk_scan_kernel`` (on sm_90 from 64K keys per sequence, ``scan_gluon`` takes its place
+with the same contract): a program owns BQ query rows and all their heads (matmul N = BQ * H, keys
+on M as in DeepGEMM's mqa logits, so the head sum runs in each thread's accumulator registers). It
+walks a segment of SEG tiles of its rows' key window: dot -> ReLU -> * w -> sum over heads -> causal
+mask -> keys, all in registers. Each row keeps a threshold key ``tau`` that only rises and appends
+keys >= tau to its own buffer in global scratch.
+
+Buffer layout ("slots"): key offset j of a BN-key tile always appends to slot j of the row, whose
+o-th entry lives at ``o * BN + j``, so the append needs only the per-(slot, row) fill counters held
+in registers (no prefix sum across threads; on an H200 the earlier prefix-sum append cost as much as
+the scoring itself). A tile adds at most one key per slot, so a segment of SEG tiles adds at most
+SEG. The host launches the scan once per segment; between two launches ``hytopk_refine_kernel``
+refines every row with a slot fuller than SC - SEG (SC = slot capacity): ``_select_threshold`` finds
+a new tau with K <= #{keys >= tau} <= K + SLACK by a radix select over the buffer (exact: K keys >=
+tau exist, so no key below tau can be in the top K) and ``_compact`` moves the survivors to the
+front. n contiguous survivors are exactly a balanced slot layout (slot j holds ceil((n - j) / BN)),
+and K + SLACK fits under SC - SEG per slot, so no slot can ever overflow, whatever the scores:
+nothing is truncated and no luck is involved. The refine lives in its own kernel because its loops,
+histogram and registers slowed the scan even when no row needed it (lower occupancy); the rows'
+state (tau, fill counts, and the smallest and largest stored mono, which bound the radix select so
+it needs no min/max pass over the buffer) crosses launches through small global arrays.
+
+``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
+index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf padded.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..bitmap import bit_slot, word_ranks
+
+_I32_MIN = tl.constexpr(-(2**31))
+_I32_MAX = tl.constexpr(2**31 - 1)
+_I64_MIN = tl.constexpr(-(2**63))
+_NAN_MONO = tl.constexpr(-(2**31) + 1)  # naive.NAN_KEY: below -inf, above masked keys
+
+
+@triton.jit
+def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr):
+    """Entries ``ob + [0, OB)`` of every slot: keys [OB, NS] and which of them are filled."""
+    o = ob + tl.arange(0, OB)
+    j = tl.arange(0, NS)
+    m = o[:, None] < slots[None, :]
+    x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".cg")
+    return x, m
+
+
+@triton.jit
+def _key_bounds(th_row):
+    """[lo, hi] holding every key of a row's buffer, from its state ``th_row[0:4]`` = (tau mono, tau
+    index, smallest stored mono, largest stored mono): all stored keys are >= tau and their monos
+    lie in the tracked range (the scan keeps it), so the radix select needs no min/max pass."""
+    t_mono = tl.load(th_row).to(tl.int64)
+    tau = ((t_mono + 1) << 32) - 1 - tl.load(th_row + 1).to(tl.int64)
+    lo = tl.maximum(tau, tl.load(th_row + 2).to(tl.int64) << 32)
+    hi = ((tl.load(th_row + 3).to(tl.int64) + 1) << 32) - 1
+    return lo, hi
+
+
+@triton.jit
+def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
+    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a
+    row, all inside [lo, hi] (``_key_bounds``).
+
+    Radix select that adapts its digit to the live range: each level histograms the keys inside
+    [lo, hi] into <= 2**LOG_NB buckets of width 2**s (s the smallest shift that fits the range),
+    keeps the bucket holding the K-th largest key and stops as soon as its lower edge is tight
+    enough. With SLACK = 0 the result is the exact K-th largest key.
+    """
+    bins = tl.arange(0, 1 << LOG_NB)
+    depth = tl.max(slots)
+    above = tl.zeros([], tl.int32)  # keys > hi
+    tau = lo
+    done = 0
+    while done == 0:
+        # Bucket width 2**s with (hi >> s) - (lo >> s) < 2**LOG_NB: s = floor(log2(r)) - (LOG_NB - 3)
+        # for r = (hi >> 1) - (lo >> 1) (halved so hi - lo cannot overflow int64), read off r's
+        # float exponent (a rounding up of r only makes s larger, which still fits).
+        r = ((hi >> 1) - (lo >> 1)).to(tl.float64)
+        e = (r.to(tl.int64, bitcast=True) >> 52) - 1023
+        s = tl.maximum(e - (LOG_NB - 3), 0)
+        base = lo >> s
+        hist = tl.zeros([1 << LOG_NB], tl.int32)
+        for ob in range(0, depth, OB):
+            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+            inside = m & (x >= lo) & (x <= hi)
+            digit = tl.reshape(tl.where(inside, (x >> s) - base, 0).to(tl.int32), [OB * NS])
+            outside = tl.sum((~inside).to(tl.int32))
+            hist += tl.histogram(digit, 1 << LOG_NB) - tl.where(bins == 0, outside, 0)
+        # suffix[j] = keys inside [lo, hi] in buckets >= j
+        suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        need = K - above
+        b = tl.max(tl.where(suffix >= need, bins, -1))
+        suffix_b = tl.sum(tl.where(bins == b, suffix, 0))
+        count_b = tl.sum(tl.where(bins == b, hist, 0))
+        edge = tl.maximum((base + b) << s, lo)
+        ge = above + suffix_b
+        if (ge <= K + SLACK) | (count_b <= 1):
+            tau = edge
+            done = 1
+        else:
+            above += suffix_b - count_b
+            if base + b < (hi >> s):  # else bucket b holds hi: (base + b + 1) << s could overflow
+                hi = ((base + b + 1) << s) - 1
+            lo = edge
+    return tau
+
+
+@triton.jit
+def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
+    """Masked store of ``value`` (32- or 64-bit), or with ``OR`` a relaxed atomic OR of int32, that
+    keeps the registers' layout (``ASM``: one PTX instruction per element; the interpreter, which
+    runs no PTX, takes ``tl.store`` / ``tl.atomic_or``).
+
+    Triton gives every ``tl.store`` and atomic a blocked "coalesced" layout of its own. The scan's
+    keys live in a slice of the wgmma accumulator layout, and converting them (keys, addresses and
+    mask) cost three round trips through shared memory with barriers per key tile (sm_90 TTGIR and
+    SASS); the final selection and the refine's compaction paid the same per buffer step. These
+    writes go to scattered rows or slots, so the blocked layout coalesced nothing.
+    """
+    tl.static_assert(not OR or value.dtype.primitive_bitwidth == 32, "_put_in_layout: OR takes 32-bit values")
+    if ASM:
+        addr = ptr.to(tl.int64)
+        on = mask.to(tl.int32)
+        if value.dtype.primitive_bitwidth == 64:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,l,r", [addr, value.to(tl.int64, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        elif OR:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.or.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [addr, value, on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [addr, value.to(tl.int32, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+    elif OR:
+        tl.atomic_or(ptr, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr, ASM: tl.constexpr):
+    """Move a row's keys >= tau to the front (``row_ptr[0:kept]``), in place; returns ``kept``.
+
+    Entries are visited in address order and each goes to an address <= its own, so a block is
+    read by every thread before any thread overwrites part of it (the barrier), and never later.
+    """
+    depth = tl.max(slots)
+    kept = tl.zeros([], tl.int32)
+    for ob in range(0, depth, OB):
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        keep = tl.reshape((m & (x >= tau)).to(tl.int32), [OB * NS])
+        pos = kept + tl.cumsum(keep, 0) - keep
+        tl.debug_barrier()
+        _put_in_layout(row_ptr + pos, tl.reshape(x, [OB * NS]), keep > 0, False, ASM)
+        kept += tl.sum(keep)
+    tl.debug_barrier()
+    return kept
+
+
+@triton.jit
+def _row_threshold(row_ptr, th_row, slots, K, SLACK, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
+    """The threshold a row keeps: ``K <= #{x >= tau} <= K + SLACK`` when its buffer holds more than
+    K keys, else the smallest key (all kept)."""
+    tau = tl.full([], _I64_MIN, tl.int64)
+    if tl.sum(slots) > K:
+        lo, hi = _key_bounds(th_row)
+        tau = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB, LOG_NB)
+    return tau
+
+
+@triton.jit
+def _key_index(x):
+    """The key index a key holds (int64): the inverse of ``((mono + 1) << 32) - 1 - index``."""
+    return (((x >> 32) + 1) << 32) - 1 - x
+
+
+@triton.jit
+def _kept_keys(row_ptr, slots, ob, tau, NS: tl.constexpr, OB: tl.constexpr):
+    """Entries ``ob + [0, OB)`` of a row's slots: keys, which of them are >= tau, their int32 indices."""
+    x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+    return x, m & (x >= tau), _key_index(x).to(tl.int32)
+
+
+@triton.jit
+def _balanced_slots(n, NS: tl.constexpr):
+    """Slot fill counts of n keys stored contiguously: slot j holds entries j, j + NS, ... < n."""
+    return (n - tl.arange(0, NS) + NS - 1) // NS
+
+
+@triton.jit
+def hytopk_scan_kernel(
+    q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
+    S, T, I0, R, SEG0, LOCAL_TILES,
+    s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
+    RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SCORE_ONLY: tl.constexpr, TMA: tl.constexpr, ASM_STORE: tl.constexpr,
+):  # fmt: skip
+    """Scores tiles ``[SEG0, SEG0 + SEG)`` of the key windows of BQ query rows (queries I0 + [0, R)
+    of batch program_id(1)) and appends every key >= the row's threshold ``th[b, r]`` to the row's
+    slotted buffer ``buf[b, r]`` (SC * BN keys); the slot fill counts live in ``cnt[b, r, 0:BN]``
+    between launches. The caller refines full rows between launches, so no slot overflows here."""
+    b = tl.program_id(1)
+    n_blocks = tl.cdiv(R, BQ)
+    blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
+    rq = tl.arange(0, BQ)
+    jj = tl.arange(0, BN)
+    r_loc = blk * BQ + rq
+    row_ok = r_loc < R
+    qi = I0 + r_loc
+    start = tl.load(start_ptr + b * s_sb + qi * s_ss, mask=row_ok, other=0)
+    end = tl.where(row_ok, T - S + qi, -1)  # inclusive; query i sits at key position T - S + i
+    live = row_ok & (start <= end)
+    lo = tl.min(tl.where(live, start, T))
+    hi = tl.max(tl.where(live, end, -1))
+    first = lo // BN
+    last = hi // BN
+    n_tiles = tl.where(hi >= lo, last - first + 1, 0)
+    n_local = tl.minimum(n_tiles, LOCAL_TILES)
+    # busy: this block's windows reach tile SEG0 (else only masked ops run). Compared as a block,
+    # not a scalar: the interpreter turns scalar-bool & block-bool into an int mask.
+    row_on = row_ok & ((rq * 0 + n_tiles) > SEG0)
+
+    # The block's queries, transposed: N = BQ * HP columns of (query, head). On Hopper a thread of
+    # the wgmma accumulator holds every 8-column group's column pair 2 * (lane % 4) + {0, 1}. With
+    # BQ a multiple of 4, column c = ((gq * HP / 2 + gh) * 4 + l) * 2 + e holds query gq * 4 + l
+    # and head gh * 2 + e, so a thread holds all heads of one query: the head sum needs no shuffles
+    # and each (key, query) score lives in one thread, not four (the selection that follows ran 4x
+    # redundantly with the plain order c = query * HP + head, which smaller BQ keeps). gq is the
+    # outermost digit, so warpgroups that split N still own whole queries.
+    cols = tl.arange(0, BQ * HP)
+    if BQ % 4 == 0:
+        c_q = (cols // (4 * HP)) * 4 + (cols // 2) % 4
+        c_h = ((cols // 8) % (HP // 2)) * 2 + cols % 2
+    else:
+        c_q = cols // HP
+        c_h = cols % HP
+    c_ok = (blk * BQ + c_q < R) & (c_h < H) & ((cols * 0 + n_tiles) > SEG0)
+    d = tl.arange(0, DP)
+    q_rows = q_ptr + b * s_qb + (I0 + blk * BQ + c_q).to(tl.int64) * s_qs + c_h * s_qh
+    qT = tl.load(q_rows[None, :] + d[:, None] * s_qd, mask=c_ok[None, :] & (d[:, None] < D), other=0.0)
+    w_rows = w_ptr + b * s_wb + (I0 + blk * BQ + c_q).to(tl.int64) * s_ws + c_h * s_wh
+    wv = tl.load(w_rows, mask=c_ok, other=0.0)
+    if UPCAST:
+        qT = qT.to(tl.float32)
+
+    row_base = (b * R + r_loc).to(tl.int64)
+    buf_rows = buf_ptr + row_base * (SC * BN)  # [BQ] row buffers
+    # the rows' state from the previous launch: threshold tau as (mono, largest index that ties)
+    # and fill[j, r] = keys in slot j of row r
+    th_mono = tl.load(th_ptr + row_base * 4, mask=row_on, other=0)
+    th_idx = tl.load(th_ptr + row_base * 4 + 1, mask=row_on, other=0)
+    # smallest / largest mono this launch scores, per (key offset, row): a range holding every key
+    # it stores (unmasked: one op per score, and a wider range is still a valid bound), so the
+    # refine and finalize kernels start their radix selects without a min/max pass
+    mono_lo = tl.full([BN, BQ], _I32_MAX, tl.int32)
+    mono_hi = tl.full([BN, BQ], _I32_MIN, tl.int32)
+    cnt_at = cnt_ptr + row_base[None, :] * BN + jj[:, None]
+    fill = tl.load(cnt_at, mask=row_on[None, :], other=0)
+    if CHECK_NAN:
+        nan_seen = tl.load(nan_ptr + b * R + r_loc, mask=row_on, other=0)
+    if SCORE_ONLY:
+        score_sum = tl.load(dbg_ptr + b * R + r_loc, mask=row_on, other=0.0)
+
+    # The tile loop is the kernel's only loop, so Triton software-pipelines it (key tiles through
+    # the copy engine with TMA: on an H200 at T = 128K the scan took 143-146 ms against 150-154 ms
+    # with pointer loads, which also hold address registers; 3 stages or 2x the queries per program
+    # were slower: shared memory and registers then allow fewer programs per SM); keeping the refine
+    # (radix select + compaction) in another kernel also keeps its registers and shared memory
+    # from lowering this kernel's occupancy (on an H200 the scan was register-limited with it inside).
+    for it in range(SEG0, tl.minimum(SEG0 + SEG, n_tiles)):
+        # The tiles next to the diagonal first (recent keys are usually the strongest, so tau
+        # rises early), then the rest of the window ascending (later ties lose: few re-entries).
+        if it < n_local:
+            tile = last - it
+        else:
+            tile = first + (it - n_local)
+        offs_n = tile * BN + jj
+        if TMA:  # a [1, BN, DP] box of the [B, T, D] keys (k_desc); the copy engine zero-fills past T and D
+            kt = tl.reshape(k_desc.load([b, tile * BN, 0]), (BN, DP))
+        else:
+            k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
+            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
+        if IEEE:
+            acc = tl.dot(kt, qT, input_precision="ieee")
+        else:
+            acc = tl.dot(kt, qT)
+        if RELU:
+            acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        acc = acc * wv[None, :]
+        if HP != H:
+            acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
+        if BQ % 4 == 0:  # [BN, BQ] indexer scores: sum over (gh, e), keep (gq, l)
+            sc = tl.sum(tl.sum(tl.reshape(acc, (BN, BQ // 4, HP // 2, 4, 2)), axis=4), axis=2)
+            sc = tl.reshape(sc, (BN, BQ))
+        else:
+            sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)
+        vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
+        if SCORE_ONLY:
+            score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
+        else:
+            # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above
+            # masked); inlined rather than a helper (helper calls are slow in the interpreter)
+            bits = sc.to(tl.int32, bitcast=True)
+            bits = tl.where(bits == _I32_MIN, 0, bits)
+            mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            mono = tl.where(sc != sc, _NAN_MONO, mono)
+            if CHECK_NAN:
+                nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
+            n_idx = offs_n[:, None]
+            above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
+            keep = vis & above
+            key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
+            _put_in_layout(buf_rows[None, :] + fill * BN + jj[:, None], key, keep, False, ASM_STORE)
+            fill += keep.to(tl.int32)
+            mono_lo = tl.minimum(mono_lo, mono)
+            mono_hi = tl.maximum(mono_hi, mono)
+
+    tl.store(cnt_at, fill, mask=row_on[None, :])
+    if not SCORE_ONLY:
+        rng = th_ptr + row_base * 4 + 2
+        tl.store(rng, tl.minimum(tl.load(rng, mask=row_on, other=0), tl.min(mono_lo, axis=0)), mask=row_on)
+        rng += 1
+        tl.store(rng, tl.maximum(tl.load(rng, mask=row_on, other=0), tl.max(mono_hi, axis=0)), mask=row_on)
+    if CHECK_NAN:
+        tl.store(nan_ptr + b * R + r_loc, nan_seen, mask=row_on)
+    if SCORE_ONLY:
+        tl.store(dbg_ptr + b * R + r_loc, score_sum, mask=row_on)
+
+
+@triton.jit
+def hytopk_refine_kernel(
+    buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, ASM_STORE: tl.constexpr,
+):  # fmt: skip
+    """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
+    threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
+    the survivors compacted to the front (a balanced slot layout) and the row's tau raised."""
+    row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
+    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+    if tl.max(slots) > LIMIT:
+        row_ptr = buf_ptr + row * (SC * NS)
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
+        kept = _compact(row_ptr, slots, tau, NS, OB, ASM_STORE)
+        t_hi = tau >> 32
+        t_idx = tl.minimum(_key_index(tau), _I32_MAX)
+        tl.store(th_ptr + row * 4, t_hi.to(tl.int32))
+        tl.store(th_ptr + row * 4 + 1, t_idx.to(tl.int32))
+        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
+        tl.store(refine_ptr + row, tl.load(refine_ptr + row) + 1)
+
+
+@triton.jit
+def hytopk_finalize_kernel(
+    buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr,
+    I0, R, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, BLOCK_W: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, ASM_STORE: tl.constexpr,
+):  # fmt: skip
+    """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded.
+
+    Persistent: program p handles rows p, p + P, ... of the B * R rows (P = the grid) with its own
+    scratch: a bitmap of ``n_words`` int32 (all zero between rows) and ``n_words`` int64 words
+    ``rank << 32 | bits``. Index order comes from the bitmap, not a sort (keys are unique indices
+    below T): the kept keys OR their bits in, a prefix sum of popcounts over the words gives each
+    word's first rank, and a key's output slot is ``rank[word] + set bits below it``. On an H200 the
+    earlier compaction + in-register sort of K keys was 60% of this kernel, with heavy bank conflicts.
+    """
+    pid = tl.program_id(0)
+    bm = bm_ptr + pid.to(tl.int64) * n_words
+    rw = rw_ptr + pid.to(tl.int64) * n_words
+    for rr in range(pid, n_rows, tl.num_programs(0)):
+        b = rr // R
+        r = rr % R
+        row = (b * R + r).to(tl.int64)
+        row_ptr = buf_ptr + row * (SC * NS)
+        slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)  # exactly K keys >= tau, or all
+        depth = tl.max(slots)
+        w_lo = tl.full([], _I32_MAX, tl.int32)
+        w_hi = tl.full([], -1, tl.int32)
+        for ob in range(0, depth, OB):  # kept keys -> bitmap, and the word range they span
+            _, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
+            _put_in_layout(bm + (idx >> 5), 1 << (idx & 31), keep, True, ASM_STORE)
+            w_lo = tl.minimum(w_lo, tl.min(tl.where(keep, idx >> 5, _I32_MAX)))
+            w_hi = tl.maximum(w_hi, tl.max(tl.where(keep, idx >> 5, -1)))
+        tl.debug_barrier()
+        kept = tl.zeros([], tl.int32)
+        for w0 in range(w_lo, w_hi + 1, BLOCK_W):  # first rank of each word; the bitmap back to 0
+            offs = w0 + tl.arange(0, BLOCK_W)
+            mw = offs <= w_hi
+            word = tl.load(bm + offs, mask=mw, other=0, cache_modifier=".cg")
+            rank, kept = word_ranks(word, kept)
+            tl.store(rw + offs, (rank.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF), mask=mw)
+            tl.store(bm + offs, tl.zeros_like(word), mask=mw)
+        tl.debug_barrier()
+        out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is
+        out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os
+        for ob in range(0, depth, OB):  # each kept key to its slot in index order
+            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
+            v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
+            slot = bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31)
+            _put_in_layout(out_idx + slot, idx, keep, False, ASM_STORE)
+            if WRITE_SCORES:
+                mono = (x >> 32).to(tl.int32)
+                bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
+                _put_in_layout(out_score + slot, bits.to(tl.float32, bitcast=True), keep, False, ASM_STORE)
+        for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad
+            offs = p0 + tl.arange(0, BLOCK_W)
+            tl.store(out_idx + offs, tl.full([BLOCK_W], -1, tl.int32), mask=offs < KOUT)
+            if WRITE_SCORES:
+                tl.store(out_score + offs, tl.full([BLOCK_W], float("-inf"), tl.float32), mask=offs < KOUT)
+        tl.debug_barrier()  # the next row reuses the scratch

@@ -1,0 +1,53 @@
+"""hyscale_hf.benchmarking.timing: warm-up calls are not timed, and a budget caps the timed calls (at least
+3). CUDA events are replaced by a fake clock so the logic runs on the CPU."""
+
+import pytest
+import torch
+
+from hyscale_hf.benchmarking import timing as timing_module
+
+
+@pytest.fixture
+def timing(monkeypatch):
+    clock = {"now": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return timing_module, clock
+
+
+def test_warmup_is_not_timed_and_reps_are(timing):
+    module, clock = timing
+    calls = []
+
+    def fn():
+        calls.append(1)
+        clock["now"] += 100.0 if len(calls) == 1 else 2.0  # a slow first (compiling) call
+
+    assert module.cuda_times(fn, 4, warmup=1) == [2.0] * 4
+    assert len(calls) == 5
+
+
+def test_budget_caps_the_timed_calls_but_keeps_three(timing):
+    module, clock = timing
+
+    def slow():
+        clock["now"] += 50.0
+
+    assert len(module.cuda_times(slow, 10, warmup=0, budget_ms=120.0)) == 3  # 120 / 50 -> 2, raised to 3
+    assert len(module.cuda_times(slow, 10, warmup=0, budget_ms=400.0)) == 8
+    assert len(module.cuda_times(slow, 10, warmup=0, budget_ms=10_000.0)) == 10
+    assert module.cuda_median_ms(slow, 5, warmup=0) == 50.0

@@ -1,0 +1,239 @@
+"""Triton sparse attention kernels against the reference at tiny shapes, fp32.
+
+Without CUDA these run under Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+so the kernel logic is tested in CI; with CUDA they run on the GPU. fp32 only: the interpreter's
+bf16 ``tl.dot`` is not faithful (Triton 3.9), and bf16 accuracy is the GPU tests' job.
+BLOCK_N is forced to 16 so that every case runs several key blocks per query.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyscale_hf import sparse_attention
+from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig, host
+from hyscale_hf.kernels.sparse_attn.naive import sparse_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not host.HAS_TRITON, reason="needs triton")
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(fwd={"BLOCK_N": 16}, bwd={"BLOCK_N": 16}))
+
+
+def make(B, S, T, Hq, Hkv, Dqk, Dv, K, v_mode="separate", seed=0):
+    """v_mode: "separate" tensor, "view" (v = k[..., :Dv], autograd view) or "alias" (same storage, detached)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, Hq, Dqk, generator=g).to(DEVICE).requires_grad_()
+    k = torch.randn(B, T, Hkv, Dqk, generator=g).to(DEVICE).requires_grad_()
+    if v_mode == "view":
+        v = k[..., :Dv]
+    elif v_mode == "alias":
+        v = k.detach()[..., :Dv].requires_grad_()
+    else:
+        v = torch.randn(B, T, Hkv, Dv, generator=g).to(DEVICE).requires_grad_()
+    idx = torch.randint(-1, T, (B, S, K), generator=g, dtype=torch.int32)
+    idx[0, 1, 3] = idx[0, 1, 4]  # a repeated key counts twice, as in the reference
+    idx[-1, 2] = -1  # a query with no key
+    return q, k, v, idx.to(DEVICE)
+
+
+def leaves(q, k, v):
+    out = [q, k]
+    if v.is_leaf:
+        out.append(v)
+    return out
+
+
+def forward_backward(fn, q, k, v, idx, seed=1):
+    o, lse = fn(q, k, v, idx)
+    g = torch.Generator().manual_seed(seed)
+    wo = torch.randn(o.shape, generator=g).to(DEVICE)
+    wl = torch.randn(lse.shape, generator=g).to(DEVICE)
+    loss = (o * wo).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * wl).sum()
+    return o, lse, torch.autograd.grad(loss, leaves(q, k, v))
+
+
+def triton_fn(deterministic):
+    return lambda q, k, v, idx: sparse_attention(
+        q, k, v, idx, return_lse=True, backend="triton", deterministic=deterministic
+    )
+
+
+def reference_fn(q, k, v, idx):
+    return sparse_attention_reference(q, k, v, idx, q.shape[-1] ** -0.5)
+
+
+def assert_matches_reference(q, k, v, idx, deterministic):
+    o, lse, grads = forward_backward(triton_fn(deterministic), q, k, v, idx)
+    o_ref, lse_ref, grads_ref = forward_backward(reference_fn, q, k, v, idx)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+    return o, lse, grads
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gqa_forward_and_grads(deterministic):
+    q, k, v, idx = make(B=2, S=12, T=20, Hq=8, Hkv=2, Dqk=32, Dv=16, K=24)
+    o, lse, grads = assert_matches_reference(q, k, v, idx, deterministic)
+    assert o[-1, 2].abs().max() == 0 and torch.isinf(lse[-1, 2]).all() and grads[0][-1, 2].abs().max() == 0
+
+
+def use_split_backward(monkeypatch):
+    """Force the two-kernel backward (dS + dK/dV, then dQ by column slabs) used for wide rows (MLA)."""
+    over = SparseAttentionConfig(fwd={"BLOCK_N": 16}, bwd={"BLOCK_N": 16, "split": True}, bwd_dq={"BLOCK_N": 16, "SLAB": 16})
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", over)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_mla_absorbed_v_view_of_k(deterministic, split, monkeypatch):
+    # Dqk = 48 = 32 + 16 (the 576 = 512 + 64 split in miniature); v = k[..., :32] shares k's buffer.
+    if split:
+        use_split_backward(monkeypatch)
+    q, k, v, idx = make(B=2, S=10, T=16, Hq=16, Hkv=1, Dqk=48, Dv=32, K=20, v_mode="view")
+    assert host.v_grad_flows_into_k(k, v)
+    assert_matches_reference(q, k, v, idx, deterministic)
+
+
+def test_split_backward_with_separate_v_and_query_chunks(monkeypatch):
+    use_split_backward(monkeypatch)
+    monkeypatch.setattr(host, "DS_BYTES", 4 * 8 * 24 * 3)  # dS buffer of 3 queries: several chunks
+    q, k, v, idx = make(B=1, S=8, T=20, Hq=8, Hkv=2, Dqk=32, Dv=16, K=24)
+    assert_matches_reference(q, k, v, idx, deterministic=False)
+
+
+def test_v_aliasing_k_without_autograd_link_gets_its_own_gradient():
+    q, k, v, idx = make(B=1, S=8, T=16, Hq=16, Hkv=1, Dqk=48, Dv=32, K=16, v_mode="alias")
+    assert host.v_is_k_prefix(k, v) and not host.v_grad_flows_into_k(k, v)
+    assert_matches_reference(q, k, v, idx, deterministic=False)
+
+
+def test_group_not_a_power_of_two_and_fewer_queries_than_keys():
+    # G = 3 heads per KV head (padded to 16 rows); S < T: the queries are the last positions.
+    q, k, v, idx = make(B=1, S=6, T=24, Hq=6, Hkv=2, Dqk=16, Dv=32, K=18)
+    assert_matches_reference(q, k, v, idx, deterministic=False)
+
+
+def test_deterministic_is_bitwise_reproducible_across_scratch_chunks(monkeypatch):
+    monkeypatch.setattr(host, "SCRATCH_BYTES", 4 * 20 * 48 * 3)  # 3 queries per chunk
+    q, k, v, idx = make(B=1, S=10, T=16, Hq=16, Hkv=1, Dqk=48, Dv=32, K=20, v_mode="view")
+    _, _, g1 = assert_matches_reference(q, k, v, idx, deterministic=True)
+    _, _, g2 = forward_backward(triton_fn(True), q, k, v, idx)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_all_keys_selected_equals_dense_causal_attention():
+    B, T, Hq, Hkv, D = 1, 20, 4, 2, 32
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, T, h, D, generator=g).to(DEVICE) for h in (Hq, Hkv, Hkv))
+    t = torch.arange(T)[:, None]
+    j = torch.arange(T + 4)  # K = T + 4 >= T
+    idx = torch.where(j <= t, j, -1).to(torch.int32)[None].to(DEVICE)
+    o = sparse_attention(q, k, v, idx, backend="triton")
+    rep = Hq // Hkv
+    dense = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(rep, 2).transpose(1, 2),
+        v.repeat_interleave(rep, 2).transpose(1, 2),
+        is_causal=True,
+    ).transpose(1, 2)
+    torch.testing.assert_close(o, dense, atol=1e-5, rtol=1e-5)
+
+
+def causal_padded_indices(B, S, T, K, seed=0):
+    """Causal rows laid out as HyTopK returns them: query i (key position T - S + i) lists up to K
+    of its visible keys, then -1 padding; so rows of the first queries end in a long -1 tail."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((B, S, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for i in range(S):
+            visible = T - S + i + 1
+            keys = torch.randperm(visible, generator=g)[:K].sort().values
+            idx[b, i, : keys.numel()] = keys.to(torch.int32)
+    return idx
+
+
+@pytest.mark.parametrize("grain", [1, 16])
+def test_row_extent_is_one_past_the_last_listed_key(grain, monkeypatch):
+    monkeypatch.setattr(host, "EXTENT_GRAIN", grain)
+    idx = causal_padded_indices(2, 9, 12, 40)
+    idx[0, 3, 5] = -1  # a hole before the last key does not shorten the row
+    idx[1, 4] = -1  # no key at all
+    idx[1, 5, -1] = 7  # a key in the last slot
+    extent = host.token_lists(idx.to(DEVICE)).num.cpu()
+    valid = idx >= 0
+    last = torch.where(valid.any(-1), idx.shape[-1] - valid.flip(-1).int().argmax(-1), 0)
+    expected = ((last + grain - 1) // grain * grain).clamp(max=40)
+    assert torch.equal(extent, expected.to(torch.int32))
+    assert extent[1, 4] == 0 and extent[1, 5] == 40
+    assert extent[0, 3] == (7 if grain == 1 else 16)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_per_token_rows_with_padded_tails(deterministic, split, monkeypatch):
+    # K = 40 slots (3 key blocks of 16) but the first queries see only a few keys: their programs
+    # stop at the row's extent, and every gradient still matches the reference.
+    if split:
+        use_split_backward(monkeypatch)
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", dataclasses.replace(host.DEFAULT_CONFIG, tile_rows=0))  # per token
+    monkeypatch.setattr(host, "EXTENT_GRAIN", 16)  # = BLOCK_N here: rows stop after 1, 2 or 3 blocks
+    q, k, v, _ = make(B=2, S=36, T=36, Hq=16, Hkv=1, Dqk=48, Dv=32, K=40, v_mode="view")
+    idx = causal_padded_indices(2, 36, 36, 40).to(DEVICE)
+    idx[0, 5, 1] = -1  # a hole inside a row
+    lists = host.key_lists(idx, 36, 16, wide=False)
+    assert lists.tile_q == 0 and lists.num.min() == 16 and lists.num.max() == 40
+    assert_matches_reference(q, k, v, idx, deterministic)
+
+
+def test_triton_backend_rejects_unsupported_dims():
+    q, k, v, idx = make(B=1, S=4, T=8, Hq=2, Hkv=1, Dqk=40, Dv=16, K=8)  # 40 = 32 + 8: tail < 16
+    with pytest.raises(ValueError, match="Dqk = 40"):
+        sparse_attention(q, k, v, idx, backend="triton")
+    o = sparse_attention(q, k, v, idx, backend="auto")  # auto falls back to the reference
+    torch.testing.assert_close(o, reference_fn(q, k, v, idx)[0])
+
+
+def distinct_indices(B, S, T, K, seed=0):
+    """Rows of K distinct keys (a few replaced by -1), as HyTopK returns them (here unsorted)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+    idx = idx.masked_fill(torch.rand(B, S, K, generator=g) < 0.2, -1).to(torch.int32)
+    idx[-1, 2] = -1  # a query with no key
+    return idx.to(DEVICE)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("Hq,Hkv,rows", [(8, 2, 64), (6, 2, 64), (8, 2, 16)], ids=["G4", "G3", "G4-small-tiles"])
+def test_query_tiles_share_the_union_of_their_keys(Hq, Hkv, rows, deterministic, monkeypatch):
+    over = SparseAttentionConfig(fwd_tiled={"BLOCK_N": 32}, bwd_tiled={"BLOCK_N": 32}, tile_rows=rows)
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", over)
+    q, k, v, _ = make(B=2, S=37, T=48, Hq=Hq, Hkv=Hkv, Dqk=32, Dv=16, K=20)
+    idx = distinct_indices(2, 37, 48, 20)
+    lists = host.key_lists(idx, 48, Hq // Hkv, wide=False)
+    assert lists.tile_q == rows // (Hq // Hkv) and lists.idx.shape[1] == -(-37 // lists.tile_q)
+    assert_matches_reference(q, k, v, idx, deterministic)
+
+
+def test_query_tiles_fall_back_to_per_token_lists_on_a_repeated_key():
+    idx = distinct_indices(1, 8, 32, 10)
+    assert host.key_lists(idx, 32, 4, wide=False).tile_q == 32
+    idx[0, 3, 1] = idx[0, 3, 0] = 7
+    assert host.key_lists(idx, 32, 4, wide=False).tile_q == 0
+
+
+def test_wide_unions_run_the_per_token_forward_and_the_tiled_backward(monkeypatch):
+    over = SparseAttentionConfig(fwd={"BLOCK_N": 16}, bwd_tiled={"BLOCK_N": 32})
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", over)
+    monkeypatch.setattr(host, "TILED_FWD_MAX_UNION", 0)  # every union counts as too wide
+    q, k, v, _ = make(B=1, S=20, T=40, Hq=8, Hkv=2, Dqk=32, Dv=16, K=12)
+    idx = distinct_indices(1, 20, 40, 12)
+    assert_matches_reference(q, k, v, idx, deterministic=False)

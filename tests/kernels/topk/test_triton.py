@@ -1,0 +1,207 @@
+"""HyTopK Triton kernel vs the exact torch reference (Triton's CPU interpreter when there is no GPU).
+
+Tiny shapes: the interpreter runs every Triton op in numpy. ``SMALL`` forces a candidate buffer of
+a few dozen slots and 8-key chunks, so rows overflow it and take the refine path (radix select +
+in-place compaction) many times, on every adversarial pattern.
+"""
+
+
+import pytest
+import torch
+
+from hyscale_hf.kernels import hytopk
+from hyscale_hf.kernels.topk import HyTopKConfig, host, hytopk_stats, hytopk_triton, reset_hytopk_stats
+from hyscale_hf.kernels.topk.naive import hytopk_reference
+from tests.support.hytopk_cases import adversarial_inputs, assert_same, assert_valid_topk, int_inputs
+
+triton = pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# 16-key tiles, slots only ceil(K / 16) + 2 deep: rows longer than 3 tiles get refined (often)
+SMALL = {"config": HyTopKConfig(BQ=2, BN=16, CH=8), "cap": 1}
+
+
+def run_both(q, k, w, topk, *, small=False, **kw):
+    extra = SMALL if small else {}
+    got = hytopk_triton(q, k, w, topk, **kw, **extra)
+    ref = hytopk_reference(q, k, w, topk, **kw)
+    return got, ref
+
+
+@pytest.mark.parametrize("small,T", [(False, 32), (True, 64)], ids=["cap", "tinycap"])
+def test_random_integer_inputs_bitwise(small, T):
+    q, k, w = int_inputs(2, T, T, 8, 16, device=DEV, seed=1)
+    reset_hytopk_stats()
+    got, ref = run_both(q, k, w, 6, small=small)
+    assert_same(got, ref, "random int")
+    stats = hytopk_stats()
+    assert stats["rows"] == 2 * T
+    if small:  # rows of 4 tiles against 3-deep slots must have been refined
+        assert stats["rows_refined"] > 0 and stats["refines"] >= stats["rows_refined"]
+    else:
+        assert stats["rows_refined"] == 0
+
+
+@pytest.mark.parametrize("small,T", [(False, 24), (True, 56)], ids=["cap", "tinycap"])
+def test_adversarial_rows_bitwise(small, T):
+    """Zero plateaus (> K ties), all-zero and -0.0 rows, monotone rows, one huge bucket, shared strong keys;
+    rows shorter than K and exactly K come from causality (query i sees i + 1 keys)."""
+    q, k, w = adversarial_inputs(T, T, 4, 16, device=DEV, seed=2)
+    got, ref = run_both(q, k, w, 8, small=small)
+    assert_same(got, ref, "adversarial")
+    # the plateau really is a plateau and the tie rule picked the lowest indices
+    assert int((ref[1][0, -1] == 0).sum()) > 0
+
+
+def test_all_negative_scores_tiny_buffer_bitwise():
+    """Every score below zero (ReLU off, q . k < 0, w > 0) with a tiny buffer: every key the radix
+    selects see has a negative mono, so their lower bound (the smallest score the scan stored, row
+    state th[..., 2]) must go below zero; a bound clamped at 0 leaves every key out of the select."""
+    g = torch.Generator().manual_seed(4)
+    T, H, D = 64, 4, 16
+    q = -torch.randint(1, 4, (1, T, H, D), generator=g).to(torch.bfloat16)
+    k = torch.randint(1, 4, (1, T, D), generator=g).to(torch.bfloat16)
+    w = torch.randint(1, 5, (1, T, H), generator=g).float() / 8
+    reset_hytopk_stats()
+    got, ref = run_both(q.to(DEV), k.to(DEV), w.to(DEV), 8, small=True, relu=False)
+    assert bool((ref[1] < 0).all())
+    assert_same(got, ref, "all scores negative")
+    assert hytopk_stats()["rows_refined"] > 0
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_radix_digit_widths_bitwise(bits):
+    """8 or 256 buckets per radix level (default 128): more or fewer levels per select, same exact sets."""
+    q, k, w = adversarial_inputs(40, 40, 4, 16, device=DEV, seed=2)
+    small = {"config": HyTopKConfig(BQ=2, BN=16, CH=8, select_bits=bits), "cap": 1}
+    got = hytopk_triton(q, k, w, 8, **small)
+    assert_same(got, hytopk_reference(q, k, w, 8), f"{2**bits} buckets")
+
+
+@pytest.mark.parametrize("bits", [2, 9])
+def test_radix_digit_width_out_of_range_is_rejected(bits):
+    with pytest.raises(ValueError, match="select_bits"):
+        HyTopKConfig(BQ=2, BN=16, select_bits=bits)
+
+
+def test_zero_lanes_is_rejected():
+    with pytest.raises(ValueError, match="lanes"):
+        HyTopKConfig(BQ=2, BN=16, lanes=0)
+
+
+def test_zero_gluon_stages_is_rejected():
+    with pytest.raises(ValueError, match="gluon_stages"):
+        HyTopKConfig(BQ=2, BN=16, gluon_stages=0)
+
+
+@pytest.mark.parametrize(
+    "dtype,H,D",
+    [(torch.float16, 16, 16), (torch.float32, 3, 24), (torch.bfloat16, 64, 16), (torch.bfloat16, 8, 64)],
+    ids=["fp16-H16", "fp32-H3-D24", "bf16-H64", "bf16-D64"],
+)
+def test_dtypes_heads_dims(dtype, H, D):
+    q, k, w = int_inputs(1, 24, 24, H, D, dtype=dtype, device=DEV, seed=3)
+    got, ref = run_both(q, k, w, 5, small=True)
+    assert_same(got, ref, f"{dtype} H={H} D={D}")
+
+
+def test_relu_off_negative_scores():
+    q, k, w = int_inputs(1, 32, 32, 4, 16, device=DEV, seed=4)
+    got, ref = run_both(q, k, w, 7, relu=False, small=True)
+    assert_same(got, ref, "relu off")
+    assert bool((ref[1][ref[0] >= 0] < 0).any()), "test needs negative selected scores"
+
+
+def test_packed_sequences_and_window_start():
+    q, k, w = int_inputs(1, 40, 40, 4, 16, device=DEV, seed=5)
+    cu = torch.tensor([0, 9, 9, 30, 40], dtype=torch.int32, device=DEV)  # with an empty sequence
+    got, ref = run_both(q, k, w, 6, cu_seqlens=cu, small=True)
+    assert_same(got, ref, "cu_seqlens")
+    q, k, w = int_inputs(2, 32, 32, 4, 16, device=DEV, seed=6)
+    for ws in (
+        torch.tensor([3, 17], device=DEV),
+        torch.randint(-2, 34, (2, 32), device=DEV),  # per query, incl. empty and negative windows
+    ):
+        got, ref = run_both(q, k, w, 6, window_start=ws, small=True)
+        assert_same(got, ref, f"window_start {tuple(ws.shape)}")
+
+
+def test_fewer_queries_than_keys_and_topk_at_least_T():
+    q, k, w = int_inputs(2, 10, 48, 4, 16, device=DEV, seed=7)  # chunked prefill / decode: S < T
+    got, ref = run_both(q, k, w, 6, small=True)
+    assert_same(got, ref, "S < T")
+    q, k, w = int_inputs(1, 20, 20, 4, 16, device=DEV, seed=8)
+    for topk in (20, 33):  # K == T and K > T: every visible key, then -1 / -inf padding
+        got, ref = run_both(q, k, w, topk)
+        assert_same(got, ref, f"topk={topk}")
+        assert bool((got[0][0, -1, :20] == torch.arange(20, device=DEV)).all())
+
+
+def test_nan_scores():
+    q, k, w = int_inputs(1, 24, 24, 4, 16, device=DEV, seed=9)
+    k[0, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        hytopk_triton(q, k, w, 4, check_nan=True)
+    for relu in (True, False):  # unchecked: NaN ranks below every finite score (and -inf), above masked
+        got, ref = run_both(q, k, w, 8, relu=relu, small=True)
+        assert_same(got, ref, f"nan relu={relu}")
+    assert bool(torch.isnan(got[1][0, 5]).any()), "a row with few keys must keep the NaN key"
+
+
+def test_continuous_inputs_valid_topk():
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 32, 8, 16, generator=g).to(DEV)
+    k = torch.randn(1, 32, 16, generator=g).to(DEV)
+    w = torch.rand(1, 32, 8, generator=g).to(DEV)
+    idx, sc = hytopk_triton(q, k, w, 5, **SMALL)
+    assert_valid_topk(idx, sc, q, k, w, 5, tol=1e-5)
+
+
+def test_public_api_determinism_and_return_scores():
+    q, k, w = int_inputs(1, 24, 24, 4, 16, device=DEV, seed=11)
+    a = hytopk(q, k, w, 6, return_scores=True, backend="triton")
+    b = hytopk(q, k, w, 6, return_scores=True, backend="triton")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    only_idx = hytopk(q, k, w, 6, backend="triton")
+    assert torch.equal(only_idx, a[0])
+    idx, scores = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "triton", False)
+    assert torch.equal(idx, a[0]) and scores.shape == (1, 24, 0)
+    assert_same(a, hytopk_reference(q, k, w, 6), "public api")
+
+
+@pytest.mark.parametrize("backend,return_scores", [("triton", False), ("torch", True)])
+def test_custom_op_schema_and_fake(backend, return_scores):
+    """The dispatcher-visible op (selection replay, torch.compile) is consistent with its fake."""
+    q, k, w = int_inputs(1, 12, 12, 4, 16, device=DEV, seed=12)
+    args = (q, k, w, 5, None, None, True, False, backend, return_scores)
+    torch.library.opcheck(torch.ops.hyscale.hytopk.default, args)
+
+
+@pytest.mark.parametrize("S,T,BQ,BN,R", [(37, 37, 4, 16, 8), (20, 50, 2, 16, 6), (64, 64, 8, 64, 64), (5, 300, 4, 16, 4)])
+def test_chunk_tiles_counts_the_longest_block_walk(S, T, BQ, BN, R):
+    """Scan launches per chunk = the tiles its longest block walks (brute force below); without
+    cu_seqlens / window_start the host uses a no-sync formula, which must agree on causal windows."""
+    g = torch.Generator().manual_seed(S + T)
+    for start in (torch.zeros(2, S, dtype=torch.int32), torch.randint(0, T, (2, S), generator=g, dtype=torch.int32)):
+        want = []
+        for i0 in range(0, S, R):
+            best = 0
+            for b0 in range(i0, min(S, i0 + R), BQ):
+                for b in range(2):  # a block of batch row b: BQ rows of the chunk
+                    win = [(int(start[b, i]), T - S + i) for i in range(b0, min(S, i0 + R, b0 + BQ))]
+                    win = [(lo, hi) for lo, hi in win if lo <= hi]
+                    if win:
+                        best = max(best, max(hi for _, hi in win) // BN - min(lo for lo, _ in win) // BN + 1)
+            want.append(best)
+        assert host.chunk_tiles(start, T, BQ, BN, R) == want
+        if not bool(start.any()):
+            assert want == [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in range(0, S, R)]
+
+
+def test_score_only_sums_each_rows_visible_scores():
+    """The benchmarks' scoring-only knob: per-row sums of the visible indexer scores, B = 2, several chunks."""
+    q, k, w = int_inputs(2, 24, 40, 4, 16, seed=3, device=DEV)
+    got = hytopk_triton(q, k, w, 8, profile="scoring", chunk_rows=8)
+    scores = torch.einsum("bshd,btd->bsht", q.double(), k.double()).relu().mul(w.double()[..., None]).sum(2)
+    visible = torch.arange(40)[None, :] <= (40 - 24 + torch.arange(24))[:, None]
+    want = scores.cpu().masked_fill(~visible, 0).sum(-1)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-6, atol=1e-6)
