@@ -5,7 +5,9 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, REPLAY_ARGS, HYTOPK_ARGS, SATTN_ARGS, FSDP2_ARGS; stage
 # time limits from E2E_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S (seconds). The fsdp2 stage needs 2 GPUs
-# (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it).
+# (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
+# realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
+# and the GGUF file in .gguf_parts/ (split -b 50000000, one part per call: README, "The real model").
 # Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
 # results.tgz with everything; a summary table is printed last.
 # On the lent GPU machine only a handful of files come back from $OUT: run with OUT=/tmp/gc and
@@ -59,9 +61,16 @@ for s in $stages; do
       done
       stage fsdp2_compare 60 python3 scripts/bench_fsdp2.py --compare "$RES/fsdp2_1gpu.json" "$RES/fsdp2_2gpu.json"
       stage finetune_fsdp2_lora "${FINETUNE_S:-280}" accelerate launch --config_file $cfg scripts/finetune_long.py \
-        --max_steps 40 --dense_pretrain_steps 10 --dense_warmup_steps 10 --lora_r 8 --logging_steps 5 --passkey_trials 2 \
+        --preset glm5 --max_steps 40 --dense_pretrain_steps 10 --dense_warmup_steps 10 --lora_r 8 --logging_steps 5 --passkey_trials 2 \
         --output_dir /tmp/finetune_fsdp2 --no_progress
       cp /tmp/finetune_fsdp2/results.json "$RES/finetune_fsdp2.json" 2>/dev/null ;;
+    realmodel)  # the main job's GPU preset on SmolLM2-135M; its GGUF file travels in parts (README)
+      cat .gguf_parts/part-* >/tmp/smollm2.gguf
+      rm -rf /tmp/realmodel
+      stage realmodel "${REALMODEL_S:-560}" python3 scripts/finetune_long.py --preset gpu --model /tmp/smollm2.gguf \
+        --output_dir /tmp/realmodel --no_progress ${REALMODEL_ARGS:-}
+      cp /tmp/realmodel/results.json "$RES/finetune_smollm2_gpu.json" 2>/dev/null
+      cp /tmp/realmodel/loss_curve.png "$RES/finetune_smollm2_gpu.png" 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done
