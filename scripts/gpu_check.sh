@@ -7,7 +7,8 @@
 # time limits from E2E_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S (seconds). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
-# and the GGUF file in .gguf_parts/ (split -b 50000000, one part per call: README, "The real model").
+# and the GGUF file at /tmp/smollm2.gguf or in .gguf_parts/ (split -b 50000000, one part per call, each
+# call moving its part out of the tree: README, "The real model").
 # Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
 # results.tgz with everything; a summary table is printed last.
 # On the lent GPU machine only a handful of files come back from $OUT: run with OUT=/tmp/gc and
@@ -65,12 +66,13 @@ for s in $stages; do
         --output_dir /tmp/finetune_fsdp2 --no_progress
       cp /tmp/finetune_fsdp2/results.json "$RES/finetune_fsdp2.json" 2>/dev/null ;;
     realmodel)  # the main job's GPU preset on SmolLM2-135M; its GGUF file travels in parts (README)
-      cat .gguf_parts/part-* >/tmp/smollm2.gguf
+      [ -f /tmp/smollm2.gguf ] || cat .gguf_parts/part-* >/tmp/smollm2.gguf
       rm -rf /tmp/realmodel
       stage realmodel "${REALMODEL_S:-560}" python3 scripts/finetune_long.py --preset gpu --model /tmp/smollm2.gguf \
         --output_dir /tmp/realmodel --no_progress ${REALMODEL_ARGS:-}
       cp /tmp/realmodel/results.json "$RES/finetune_smollm2_gpu.json" 2>/dev/null
-      cp /tmp/realmodel/loss_curve.png "$RES/finetune_smollm2_gpu.png" 2>/dev/null ;;
+      cp /tmp/realmodel/loss_curve.png "$RES/finetune_smollm2_gpu.png" 2>/dev/null
+      for f in /tmp/realmodel/evaluation_*.json; do cp "$f" "$RES/smollm2_gpu_$(basename "$f")" 2>/dev/null; done ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done

@@ -34,10 +34,10 @@ PRESETS = {
                 topk=None, index_n_heads=None,
                 index_head_dim=None, passkey_trials=2, passkey_depths="0.0,0.5,1.0", passkey_length=None,
                 eval_tokens=3072, rope_yarn_factor=None),
-    "gpu": dict(model="smollm2", seq_len=16384, max_steps=160, dense_warmup_steps=120, dense_pretrain_steps=0,
-                batch_size=1, lr=2e-5, indexer_lr=2e-3, logging_steps=10, save_steps=0, hidden_size=None, num_layers=None,
+    "gpu": dict(model="smollm2", seq_len=16384, max_steps=80, dense_warmup_steps=60, dense_pretrain_steps=0,
+                batch_size=1, lr=2e-5, indexer_lr=5e-3, logging_steps=5, save_steps=0, hidden_size=None, num_layers=None,
                 topk=None,
-                index_n_heads=None, index_head_dim=None, passkey_trials=4, passkey_depths="0.0,0.25,0.5,0.75,1.0",
+                index_n_heads=None, index_head_dim=None, passkey_trials=2, passkey_depths="0.0,0.25,0.5,0.75,1.0",
                 passkey_length=None, eval_tokens=65536, rope_yarn_factor=2.0),
 }
 # Preset keys that shape the built model only: with --model the model brings its own shape and top-k

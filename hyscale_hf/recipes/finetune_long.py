@@ -150,6 +150,8 @@ def build_glm5_model(args, tokenizer):
 
 
 def load_model(args, tokenizer):
+    import torch
+
     import hyscale_hf
 
     if args.model is None:
@@ -161,6 +163,8 @@ def load_model(args, tokenizer):
         if model.config.model_type not in hyscale_hf.supported_model_types():
             raise SystemExit(f"error: --model {args.model} is a {model.config.model_type!r} model; supported: "
                              f"{', '.join(hyscale_hf.supported_model_types())}")
+    if torch.cuda.is_available():  # the evaluations before training run where the Trainer will train
+        model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     if args.main_process:
         params = sum(p.numel() for p in model.parameters())
         print(f"hyscale_hf finetune_long: {model_label(args)}, {params / 1e6:.2f}M parameters, "
@@ -345,6 +349,8 @@ def _trainer_class():
 def build_trainer(args, model, tokenizer, data: Data, checkpoint: str | None):
     """The Trainer with HyScaleCallback (first, so reporting integrations log its values) and the
     recipe's checkpoint, interruption and resume-check callbacks."""
+    from transformers import default_data_collator
+
     import hyscale_hf
 
     from .checkpoints import (
@@ -357,7 +363,9 @@ def build_trainer(args, model, tokenizer, data: Data, checkpoint: str | None):
     )
 
     trainer = _trainer_class()(model=model, args=training_arguments(args), train_dataset=data.train,
-                               eval_dataset=data.eval, processing_class=tokenizer, indexer_lr=args.indexer_lr)
+                               eval_dataset=data.eval, processing_class=tokenizer, indexer_lr=args.indexer_lr,
+                               # fixed-length blocks need no padding (and some tokenizers have no pad token)
+                               data_collator=default_data_collator)
     hyscale_hf.HyScaleCallback(dense_warmup_steps=args.dense_warmup_steps,
                                dense_pretrain_steps=args.dense_pretrain_steps).add_to(trainer)
     interrupt = InterruptCallback()
