@@ -19,6 +19,7 @@ model, freezes/unfreezes parameters, and logs.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from transformers import TrainerCallback
@@ -104,6 +105,7 @@ class HyScaleCallback(TrainerCallback):
         self._last_step_stage: int | None = None
         self._probe: RecallProbe | None = None
         self._replay_base: dict[str, int] = {}
+        self._warned_no_recall = False
         self._reset_window()
 
     # ------------------------------------------------------------------ wiring
@@ -183,6 +185,12 @@ class HyScaleCallback(TrainerCallback):
         if self._state.selection_probe is self._probe:
             self._state.selection_probe = None
         total, best, count = self._probe.totals()
+        if count == 0 and self._probe.calls > 0 and self.stage == SPARSE and not self._warned_no_recall:
+            self._warned_no_recall = True
+            warnings.warn(
+                f"hyscale_hf: no query of the sampled batch sees more than top-k = {self._state.config.topk} keys, so "
+                "sparse attention keeps every key (it equals dense attention) and topk_recall is not logged; use a "
+                "top-k below the sequence length", stacklevel=2)
         self._recall_sum += total
         self._best_sum += best
         self._recall_n += count

@@ -18,12 +18,14 @@ from fresh indexers would throw the trained ones away. (To start fresh on purpos
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
 from torch import nn
 
 RECORD_ATTR = "hyscale_indexer"
+_log = logging.getLogger(__name__)
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 
@@ -114,3 +116,10 @@ def load_saved_indexers(model: nn.Module, indexers: dict[str, nn.Module]) -> Non
             f"cannot restore the saved hyscale_hf indexers: missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
             f"shape mismatch {wrong[:4]}. Delete model.config.{RECORD_ATTR} to start fresh indexers."
         )
+    # Printed right under Transformers' load report, which lists these tensors as UNEXPECTED: the
+    # unpatched class has no indexer, so from_pretrained dropped them and patch_model put them back.
+    _log.warning(
+        "hyscale_hf: restored the %d trained indexer tensors (%d layers) from %s. Transformers' load report above "
+        "lists them as UNEXPECTED because the unpatched model class has no indexer; patch_model added the indexers "
+        "and loaded them, so the patched model is complete.", sum(len(i.state_dict()) for i in indexers.values()),
+        len(indexers), getattr(model, "name_or_path", "") or "the checkpoint")

@@ -71,18 +71,18 @@ def resolve_model_source(model: str) -> ModelSource:
     expanded = Path(os.path.expanduser(model))
     if expanded.suffix == ".gguf":
         if not expanded.is_file():
-            raise FileNotFoundError(f"--model {model!r}: no such GGUF file")
+            raise FileNotFoundError(f"--model {model}: no such GGUF file")
         _require_gguf_package(str(expanded))
         return ModelSource(str(expanded.parent), expanded.name, label=str(expanded))
     if expanded.exists():
         if not expanded.is_dir():
-            raise ValueError(f"--model {model!r} is a file; pass a model folder, a .gguf file or a hub id")
+            raise ValueError(f"--model {model} is a file; pass a model folder, a .gguf file or a hub id")
         if not (expanded / "config.json").is_file():
-            raise FileNotFoundError(f"--model {model!r} is a folder without config.json: not a saved Transformers model")
+            raise FileNotFoundError(f"--model {model}: not a model folder (no config.json in {expanded.resolve()})")
         return ModelSource(str(expanded), label=str(expanded))
     looks_like_path = model.startswith((".", "~", os.sep)) or model.count("/") > 1 or "\\" in model
     if looks_like_path:
-        raise FileNotFoundError(f"--model {model!r}: no such file or folder")
+        raise FileNotFoundError(f"--model {model}: no such file or folder")
     return ModelSource(model, label=model)
 
 

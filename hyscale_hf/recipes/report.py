@@ -43,9 +43,31 @@ def write_results(args, trainer, results: dict, started: float) -> None:
                                  title=f"{results['model']}, {args.seq_len} tokens, top-{results['topk']}",
                                  dense_pretrain_steps=args.dense_pretrain_steps)
     results["loss_curve"] = str(curve)
+    if "evaluation" in results:
+        from .plots import plot_evaluations
+
+        results["evaluation_plot"] = str(plot_evaluations(results["evaluation"], out / "evaluation.png",
+                                                          title=f"{results['model']}: held-out text, top-{results['topk']}"
+                                                                f" of {args.seq_len} tokens"))
     results["total_seconds"] = round(time.time() - started, 1)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_summary(results, out)
+
+
+def evaluation_table(evaluations: dict) -> str:
+    """The four model states side by side, one line each."""
+    from .plots import EVALUATION_LABELS
+
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [f"  {'model':<24}{'perplexity':>11}{'vs dense':>9}{'recall':>8}{'ceiling':>8}{'passkey':>8}"]
+    dense = evaluations["dense"]["perplexity"]
+    for name, ev in evaluations.items():
+        lines.append(f"  {EVALUATION_LABELS.get(name, name):<24}{ev['perplexity']:>11.3f}{ev['perplexity'] / dense:>9.3f}"
+                     f"{fmt(ev.get('topk_recall'), '.3f'):>8}{fmt(ev.get('topk_recall_best'), '.3f'):>8}"
+                     f"{fmt(ev.get('passkey_accuracy'), '.2f'):>8}")
+    return "\n".join(lines)
 
 
 def print_summary(results: dict, out: Path) -> None:
@@ -69,5 +91,9 @@ def print_summary(results: dict, out: Path) -> None:
         f"token accuracy {results['passkey_token_accuracy']:.2f}\n"
         + (f"reload check     max |logit diff| {results['reload_max_abs_logit_diff']:.2e}\n"
            if "reload_max_abs_logit_diff" in results else "")
-        + f"outputs          {out}/ (model, hyscale_config.json, loss_curve.png, log_history.json, results.json)\n"
+        + (f"held-out evaluation ({results['held_out_tokens']} tokens; recall: share of the dense attention mass "
+           f"the indexer's top-{results['topk']} keeps, ceiling: the attention's own top-{results['topk']})\n"
+           + evaluation_table(results["evaluation"]) + "\n" if "evaluation" in results else "")
+        + f"outputs          {out}/ (model, hyscale_config.json, loss_curve.png, evaluation.png, log_history.json, "
+        "results.json)\n"
     )

@@ -118,12 +118,16 @@ def _check_lora_run(out):
 
 def test_model_is_saved_before_evaluation(tmp_path, monkeypatch):
     """An evaluation that fails costs nothing: the trained model and its config are already written."""
-    from hyscale_hf.recipes import finetune_long
+    from hyscale_hf.recipes import evaluate, finetune_long
 
-    def failing_evaluation(*args, **kwargs):
-        raise RuntimeError("evaluation failed")
+    real = evaluate.stage_evaluation
 
-    monkeypatch.setattr(finetune_long, "evaluate", failing_evaluation)
+    def failing_evaluation(args, name, *rest):  # the evaluations before and during training still run
+        if name == "sparse_after_training":
+            raise RuntimeError("evaluation failed")
+        return real(args, name, *rest)
+
+    monkeypatch.setattr(evaluate, "stage_evaluation", failing_evaluation)
     out = tmp_path / "run"
     try:
         finetune_long.run(["--tiny", "--no_progress", "--output_dir", str(out)])

@@ -52,7 +52,12 @@ def _error(capsys, argv, on_gpu=False) -> str:
     (["--passkey_depths", "half"], "--passkey_depths 'half'"),
     (["--seq_len", "0"], "--seq_len must be positive"),
     (["--tiny", "--max_steps", "10", "--logging_steps", "20"], "--logging_steps 20 exceeds --max_steps 10"),
-    (["--max_steps", "50"], "--dense_pretrain_steps 60 + --dense_warmup_steps 20 exceed --max_steps 50"),
+    (["--max_steps", "20"], "--dense_pretrain_steps 0 + --dense_warmup_steps 30 exceed --max_steps 20"),
+    (["--preset", "glm5", "--max_steps", "50"], "--dense_pretrain_steps 400 + --dense_warmup_steps 100 exceed --max_steps 50"),
+    (["--tiny", "--preset", "cpu"], "--tiny is --preset tiny"),
+    (["--tiny", "--rope_yarn_factor", "2"], "--rope_yarn_factor applies to a pretrained --model"),
+    (["--rope_yarn_factor", "0.5"], "--rope_yarn_factor must be a number > 1"),
+    (["--indexer_lr", "-1"], "--indexer_lr must be a positive number"),
     (["--lr", "nan"], "--lr must be a positive number"),
     (["--topk", "8", "--index_topk", "16"], "--topk 8 and --index_topk 16 name the same setting"),
     (["--model", "/nonexistent"], "--model /nonexistent: no such file or folder"),
@@ -79,11 +84,13 @@ def test_model_folder_without_config(capsys, tmp_path):
 
 def test_preset_values_fill_what_is_left_out(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = parse_args(["--max_steps", "4", "--dense_pretrain_steps", "1", "--dense_warmup_steps", "1"], on_gpu=False)
-    assert (args.seq_len, args.logging_steps, args.passkey_length) == (1024, 4, 1024)  # preset logging interval capped
+    args = parse_args(["--max_steps", "2", "--dense_pretrain_steps", "1", "--dense_warmup_steps", "1"], on_gpu=False)
+    assert (args.seq_len, args.logging_steps, args.passkey_length) == (1024, 2, 1024)  # preset logging interval capped
     assert parse_args(["--index_topk", "16"], on_gpu=False).topk == 16  # the old name still works
-    gpu = parse_args([], on_gpu=True)
-    assert (gpu.preset, gpu.seq_len, gpu.topk) == ("gpu", 8192, 512)
+    gpu = parse_args([], on_gpu=True)  # the real model at 16K; its top-k is seq_len / 8, set when patched
+    assert (gpu.preset, gpu.model, gpu.seq_len, gpu.topk, gpu.rope_yarn_factor) == ("gpu", "smollm2", 16384, None, 2.0)
+    glm5 = parse_args(["--preset", "glm5"], on_gpu=False)
+    assert (glm5.model, glm5.seq_len, glm5.topk, glm5.dense_pretrain_steps) == (None, 8192, 512, 400)
     lora = parse_args(["--lora_r", "4", "--lora_target_modules", "q_proj, v_proj"], on_gpu=False)
     assert (lora.lora_alpha, lora.lora_target_modules) == (8.0, ["q_proj", "v_proj"])
 
@@ -108,8 +115,10 @@ def test_bad_input_fails_in_seconds_before_any_model(tmp_path):
     proc = run_script(tmp_path, "--passkey_depths", "0.5,1.5", "--output_dir", str(tmp_path / "a"), expect=2)
     assert "--passkey_depths: [1.5] outside [0, 1]" in proc.stderr
     assert time.perf_counter() - started < 5
-    # Not --tiny's preset: its passkey prompts are 400 tokens long whatever the sequence length.
-    cmd = [sys.executable, str(SCRIPT), "--no_progress", "--seq_len", "256", "--output_dir", str(tmp_path / "b")]
+    # glm5, not --tiny's preset (its passkey prompts are 400 tokens long whatever the sequence length):
+    # the byte tokenizer needs more than 256 tokens for a prompt.
+    cmd = [sys.executable, str(SCRIPT), "--no_progress", "--preset", "glm5", "--seq_len", "256", "--output_dir",
+           str(tmp_path / "b")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"--passkey_length 256: passkey prompts need more than \d+ tokens", proc.stderr)
