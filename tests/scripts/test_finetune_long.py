@@ -51,6 +51,15 @@ def test_tiny_run_end_to_end(tmp_path):
     assert 0.0 <= results["passkey_accuracy"] <= 1.0
     assert results["reload_max_abs_logit_diff"] == 0.0  # saved checkpoint, reloaded and patched, gives the same logits
     assert (out / "loss_curve.png").stat().st_size > 10_000
+    # the four held-out evaluations, each also in its own file, on the same tokens
+    states = ["dense", "sparse_fresh_indexer", "sparse_after_warmup", "sparse_after_training"]
+    assert list(results["evaluation"]) == states
+    for state in states:
+        assert json.loads((out / f"evaluation_{state}.json").read_text()) == results["evaluation"][state]
+        assert results["evaluation"][state]["tokens"] == results["held_out_tokens"]
+    assert results["evaluation"]["dense"]["topk_recall"] is None  # the dense model keeps every key
+    assert results["evaluation_ratios"]["perplexity_ratio_sparse_after_training"] > 0
+    assert (out / "evaluation.png").stat().st_size > 10_000
     stats = results["selection_stats"]
     assert stats["indexer_forward"] > 0 and stats["indexer_recompute"] == 0 and stats["replayed_selections"] > 0
 
@@ -114,6 +123,15 @@ def _check_lora_run(out):
     assert not any("indexer" in t for t in saved["target_modules"])
     history = [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
     assert [e["hyscale_stage"] for e in history] == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_eval_fraction_evaluates_during_training(tmp_path):
+    out = tmp_path / "run"
+    run_script(tmp_path, "--output_dir", str(out), "--eval_fraction", "0.25", "--eval_steps", "3")
+    evals = [e for e in json.loads((out / "log_history.json").read_text()) if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [3, 6]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["eval_loss_last"], results["eval_loss_last_step"]) == (evals[-1]["eval_loss"], 6)
 
 
 def test_model_is_saved_before_evaluation(tmp_path, monkeypatch):
