@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Long-context fine-tuning with hyscale_hf (also installed as the ``hyscale-finetune-long`` command).
 
-    python scripts/finetune_long.py            # offline demo on a small GLM-5-architecture model
+    python scripts/finetune_long.py            # SmolLM2-135M converted to DSA, offline
     python scripts/finetune_long.py --help     # every option, and the presets' values
 
 The logic lives in ``hyscale_hf/recipes/finetune_long.py`` (install the package first:

