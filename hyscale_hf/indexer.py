@@ -76,11 +76,21 @@ def before_forward(state: PatchState, model: torch.nn.Module, args: tuple, kwarg
         return None  # not a Transformers-style model: it runs as called (correct, only slower)
     positional = "input_ids" not in kwargs and len(args) > 0
     ids = args[0] if positional else kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
+    if not isinstance(ids, torch.Tensor) or _sharded(model.get_input_embeddings()):
+        # FSDP2 gathers a sharded embedding only inside the root's forward, after this hook: run as called
         return None
     with torch.no_grad():  # detached too: the Transformers hook marks even a no-grad output as requiring grad
         embeds = model.get_input_embeddings()(ids).detach()
     return (args[1:] if positional else args), {**kwargs, "input_ids": None, "inputs_embeds": embeds}
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are DTensors (FSDP2 shards) rather than plain tensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
 
 
 def sink_pending_losses(state: PatchState, output):

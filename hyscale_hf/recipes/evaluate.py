@@ -78,7 +78,7 @@ def evaluate(
     nll_sum, count, recall_sum, best_sum, recall_n = 0.0, 0, 0.0, 0.0, 0
     try:
         with sparse_stage(model):
-            for row in tqdm(blocks, desc=desc, unit="block", disable=not progress, leave=False):
+            for row in tqdm(blocks, desc=desc, unit="block", disable=not progress):
                 ids = row[None].to(device)
                 if patched:
                     with hyscale_hf.sample_topk_recall(model, recall_queries) as probe:
@@ -126,8 +126,11 @@ def stage_evaluation(args, name: str, model, passkey, held_out, checkpoint: str 
 
 
 class WarmupEvaluationCallback(TrainerCallback):
-    """Evaluates the model as the dense warm-up ends, before the first sparse step changes it:
-    ``result`` is then ``{"sparse_after_warmup": ...}`` (empty without a warm-up)."""
+    """Evaluates the model as the dense warm-up ends: at the start of the first sparse step, with the
+    weights the warm-up left. ``result`` is then ``{"sparse_after_warmup": ...}`` (empty without a
+    warm-up, or without a sparse step after it). Add it with ``add_to`` so it runs before
+    ``HyScaleCallback`` starts that step's own top-k recall sample; its forwards count in that step's
+    ``replay_*`` counters, which are those of the sparse stage."""
 
     def __init__(self, args, passkey, held_out, checkpoint: str | None) -> None:
         self.args, self.passkey, self.held_out = args, passkey, held_out
@@ -137,7 +140,12 @@ class WarmupEvaluationCallback(TrainerCallback):
         if args.dense_warmup_steps and checkpoint is not None and saved.is_file():  # resumed after the warm-up
             self.result = {"sparse_after_warmup": json.loads(saved.read_text())}
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
+    def add_to(self, trainer) -> WarmupEvaluationCallback:
+        callbacks = trainer.callback_handler.callbacks
+        callbacks[:] = [self] + [c for c in callbacks if c is not self]
+        return self
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
         if self.args.dense_warmup_steps and state.global_step == self.end and not self.result:
             self.result = {"sparse_after_warmup": stage_evaluation(
                 self.args, "sparse_after_warmup", model, self.passkey, self.held_out, None)}

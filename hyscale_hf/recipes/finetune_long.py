@@ -75,8 +75,7 @@ def run(argv=None) -> dict:
     evaluations["sparse_fresh_indexer"] = stage_evaluation(args, "sparse_fresh_indexer", model, passkey,
                                                            data.held_out, checkpoint)
     trainer, interrupt = build_trainer(args, model, tokenizer, data, checkpoint)
-    after_warmup = WarmupEvaluationCallback(args, passkey, data.held_out, checkpoint)  # "sparse after warm-up"
-    trainer.add_callback(after_warmup)
+    after_warmup = WarmupEvaluationCallback(args, passkey, data.held_out, checkpoint).add_to(trainer)
     trainer.train(resume_from_checkpoint=checkpoint)
     if interrupt.signum is not None:
         return interrupted(args, trainer, interrupt.signum)
@@ -276,8 +275,9 @@ def prepare_data(args, tokenizer) -> Data:
 
 
 def split_held_out(docs: list[str], tokenizer, seq_len: int, blocks: int) -> tuple[list[str], list[str]]:
-    """``(held_out, rest)``: the last documents, as few as give ``blocks`` whole blocks of ``seq_len``
-    tokens. The held-out text is split by document, so no training block shares a document with it."""
+    """``(held_out, rest)``: the first documents, as few as give ``blocks`` whole blocks of ``seq_len``
+    tokens. The held-out text is split by document, so no training block shares a document with it, and
+    it is the same text however many training steps ask for more documents after it."""
     eos = 1  # the EOS that joins packed documents
     need, taken, tokens = blocks * seq_len, 0, 0
     while tokens < need:
@@ -285,8 +285,8 @@ def split_held_out(docs: list[str], tokenizer, seq_len: int, blocks: int) -> tup
         if taken >= len(docs):
             raise SystemExit(f"error: the data holds too few documents to hold out {blocks} blocks of --seq_len "
                              f"{seq_len} tokens for --eval_tokens and still train: use more data or fewer --eval_tokens")
-        tokens += len(tokenizer(docs[-taken], add_special_tokens=False)["input_ids"]) + eos
-    return docs[-taken:], docs[:-taken]
+        tokens += len(tokenizer(docs[taken - 1], add_special_tokens=False)["input_ids"]) + eos
+    return docs[:taken], docs[taken:]
 
 
 # ----------------------------------------------------------------------------- training

@@ -90,7 +90,7 @@ def passkey_accuracy(
     from tqdm.auto import tqdm
 
     rng = random.Random(seed)
-    bar = tqdm(total=len(depths) * trials, desc=desc, disable=not progress, leave=False)
+    bar = tqdm(total=len(depths) * trials, desc=desc, disable=not progress)
     device = next(model.parameters()).device
     per_depth, token_hits, token_total = {}, 0, 0
     for depth in depths:
