@@ -86,8 +86,8 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
 
     ``config`` with ``overrides`` applied (``topk=...`` etc.). Without ``config``: the options a
     saved patched model was saved with (``model.config.hyscale_config``, written to config.json by
-    ``save_pretrained``), else ``HyScaleConfig()``. Raises ``ValueError`` for an unsupported model type (listing the supported ones) or a model
-    that is already patched.
+    ``save_pretrained``), else ``HyScaleConfig()``. Raises ``ValueError`` for an unsupported model
+    type (listing the supported ones) or a model that is already patched.
     """
     if config is not None and not isinstance(config, HyScaleConfig):
         raise TypeError(f"config must be a HyScaleConfig or None, got {type(config).__name__}")
