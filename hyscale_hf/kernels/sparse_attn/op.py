@@ -1,7 +1,8 @@
 """Sparse attention's public function and autograd wrapper (GQA/MHA and MLA absorbed).
 
 The Triton path: ``host.py`` launches the kernels of ``triton_kernels.py`` (whose docstring gives
-the design); the torch path: ``naive.sparse_attention_reference`` (autograd through gathers).
+the design). The torch path: ``masked_dense`` (matmuls over all keys under the selection's mask)
+where the key range is short, else ``naive.sparse_attention_reference`` (autograd through gathers).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .host import (
     triton_unsupported_reason,
     v_grad_flows_into_k,
 )
+from .masked_dense import fits as masked_dense_fits
+from .masked_dense import sparse_attention_masked_dense
 from .naive import sparse_attention_reference
 
 
@@ -125,6 +128,8 @@ def sparse_attention(
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
         o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
+    elif masked_dense_fits(q, k, indices):  # short key ranges: matmuls over all keys beat per-query gathers
+        o, lse = sparse_attention_masked_dense(q, k, v, indices, scale)
     else:
         o, lse = sparse_attention_reference(q, k, v, indices, scale)
     return (o, lse) if return_lse else o
