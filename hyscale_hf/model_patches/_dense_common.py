@@ -13,7 +13,7 @@ How a patched model runs (one model instance; nothing is changed at class level)
   and joins the indexer KL loss to the output during training.
 - ``"hyscale_dense"`` is registered in ``AttentionMaskInterface`` too: its "mask" is the 2-D padding
   mask (or None), never a ``[B, 1, S, T]`` tensor. Each layer turns it, the packing kwargs /
-  position_ids and its sliding window into hytopk's visibility (``_dense_visibility``): left and
+  position_ids and its sliding window into hytopk's visibility (``_visibility``): left and
   right padding, packed sequences, sliding windows. Masks with holes inside a row are refused.
 - The dense warm-up stage attends over all visible keys with SDPA (a boolean ``[B, 1, S, T]``
   mask only when padding, packing or a window needs one, as the family's own sdpa path does).
@@ -46,9 +46,9 @@ from ..state import PatchState
 from ..training import observe_selection
 from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._dense_cache import indexer_cache_layer
-from ._dense_visibility import Visibility, visibility
 from ._dense_weights import RECORD_ATTR, load_saved_indexers
 from ._lean_layers import apply_lean_layers
+from ._visibility import Visibility, padding_mask_only, visibility
 
 ATTN_IMPL = "hyscale_dense"
 DEFAULT_TOPK = 2048
@@ -96,9 +96,7 @@ def _dense_attention(q, k, v, vis: Visibility, scaling: float) -> torch.Tensor:
     if plain and (S == T or S == 1):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=S > 1, scale=scaling, enable_gqa=True)
         return o.transpose(1, 2)
-    start, end = query_windows(B, S, T, cu_seqlens=vis.cu_seqlens, window_start=vis.window_start, device=q.device)
-    if vis.key_end is not None:
-        end = torch.minimum(end, vis.key_end[:, None])
+    start, end = vis.windows(B, S, T, q.device)
     s = torch.arange(T, device=q.device)
     visible = (s >= start[..., None]) & (s <= end[..., None])  # [B, S, T]
     no_key = ~visible.any(-1)
@@ -135,7 +133,8 @@ def dense_sparse_attention(module, query, key, value, attention_mask, dropout=0.
         ik = indexer_cache_layer(call.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
     elif T != S:
         raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
-    vis = visibility(attention_mask, kwargs, B, S, T, sliding_window, query.device)
+    vis = visibility(attention_mask, kwargs.get("position_ids"), kwargs, B, S, T, sliding_window=sliding_window,
+                     device=query.device)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     relu = bool(cfg.relu)
     observe_selection(state, iq, ik, iw, q, k, scale=scaling, relu=relu, cu_seqlens=vis.cu_seqlens,
@@ -165,14 +164,6 @@ def dense_sparse_attention(module, query, key, value, attention_mask, dropout=0.
     if want_loss:
         out = attach_indexer_loss(out, loss, state)
     return out, None
-
-
-def padding_mask_only(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                      attention_mask=None, **kwargs):
-    """The ``"hyscale_dense"`` mask: the 2-D boolean padding mask, or None when nothing is padded."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    return attention_mask
 
 
 AttentionInterface.register(ATTN_IMPL, dense_sparse_attention)
