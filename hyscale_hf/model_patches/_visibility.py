@@ -164,3 +164,11 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
     return Visibility(cu_seqlens, _latest_start(parts, B, S, device), key_end, query_real)
 
+
+def window_indices(vis: Visibility, window: int, batch: int, queries: int, keys: int, device) -> torch.Tensor:
+    """int32 ``[B, S, min(W, T)]``: each query's visible keys among its last ``window``, ascending,
+    ``-1`` padded (the selection of a sliding-window layer that has no indexer)."""
+    start, end = vis.windows(batch, queries, keys, device)
+    first = torch.maximum(start, end - (window - 1))
+    idx = first[..., None] + torch.arange(min(window, keys), device=device)
+    return torch.where(idx <= end[..., None], idx, -1).to(torch.int32)

@@ -13,7 +13,7 @@ import inspect
 import torch
 
 import hyscale_hf
-from hyscale_hf.model_patches import _mla_dsa
+from hyscale_hf.model_patches import _dsa_step
 from hyscale_hf.state import patch_state
 
 from .tiny_models import VOCAB, build
@@ -111,14 +111,14 @@ def _capture_ref_selections(model):
 
 def _capture_patched_selections(monkeypatch):
     captured = []
-    original = _mla_dsa.hytopk
+    original = _dsa_step.hytopk
 
     def recording(*args, **kwargs):
         idx = original(*args, **kwargs)
         captured.append(idx)
         return idx
 
-    monkeypatch.setattr(_mla_dsa, "hytopk", recording)
+    monkeypatch.setattr(_dsa_step, "hytopk", recording)
     return captured
 
 
@@ -181,7 +181,7 @@ def check_unpatch_restores(model_type: str) -> None:
         hyscale_hf.patch_model(model, backend="torch")
         assert hyscale_hf.is_patched(model)
         assert (attn_cls.forward, layer_cls.forward) == class_forwards  # only instances are patched
-        assert "forward" in vars(attn) and attn.config._attn_implementation == _mla_dsa.ATTN_IMPLEMENTATION
+        assert "forward" in vars(attn) and attn.config._attn_implementation == _dsa_step.ATTN_IMPLEMENTATION
         model(x)
         hyscale_hf.unpatch_model(model)
         after = model(x).logits
@@ -201,7 +201,7 @@ def check_save_load(model_type: str, tmp_path) -> None:
         expected = model(x).logits
     model.save_pretrained(tmp_path)
     config_text = (tmp_path / "config.json").read_text()
-    assert _mla_dsa.ATTN_IMPLEMENTATION not in config_text
+    assert _dsa_step.ATTN_IMPLEMENTATION not in config_text
     loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
     for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2), n1
@@ -316,3 +316,4 @@ def check_dense_warmup(model_type: str) -> None:
         out_pat.loss.backward()
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for _, p in indexer_params(pat))
     assert patch_state(pat).pop_indexer_loss() > 0
+
