@@ -317,3 +317,40 @@ def check_dense_warmup(model_type: str) -> None:
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for _, p in indexer_params(pat))
     assert patch_state(pat).pop_indexer_loss() > 0
 
+
+def check_right_padding_full_topk(model_type: str) -> None:
+    """Right padding with topk >= T, in both stages: every position equals the unpatched model (padding
+    queries see the real keys only, as under the unpatched mask), and the indexer loss counts only the
+    real queries: it equals the loss of the row without its padding."""
+    ref, _ = build(model_type, index_topk=64)
+    x = tokens(1, 16, seed=7)
+    mask = torch.ones_like(x)
+    mask[0, 13:] = 0  # fewer padding tokens than dots3's window of 5: each padding query keeps a real key
+    for warmup in (False, True):
+        pat = patched_copy(ref, dense_warmup=warmup)
+        with torch.no_grad():
+            assert_close(ref(x, attention_mask=mask).logits, pat(x, attention_mask=mask).logits,
+                         what=f"right padding, dense_warmup={warmup}")
+        pat.train()
+        pat(x, attention_mask=mask, labels=padded_labels(x, mask))
+        padded = patch_state(pat).pop_indexer_loss()
+        pat(x[:, :13], labels=x[:, :13])
+        alone = patch_state(pat).pop_indexer_loss()
+        assert abs(padded - alone) <= 1e-5 * max(1.0, abs(alone)), (warmup, padded, alone)
+
+
+def check_deepcopy_is_independent(model_type: str) -> None:
+    """A deep copy of a patched model is an independent patched model: unpatching the copy restores the
+    copy and leaves the original patched (the undo is an object copied with the model)."""
+    model, _ = build(model_type, index_topk=4)
+    hyscale_hf.patch_model(model, backend="torch")
+    twin = copy.deepcopy(model)
+    x = tokens(2, 12)
+    with torch.no_grad():
+        expected = model(x).logits
+        assert torch.equal(twin(x).logits, expected)
+    hyscale_hf.unpatch_model(twin)
+    assert hyscale_hf.is_patched(model) and not hyscale_hf.is_patched(twin)
+    assert not any("forward" in vars(m) or "_hyscale_state" in vars(m) for m in twin.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, expected)
