@@ -13,14 +13,17 @@ BACKENDS = ("auto", "torch", "triton")
 class HyScaleConfig:
     """Options for patching a model and training its indexer.
 
-    Fields left as ``None`` are taken from the model's own config when ``patch_model`` runs
-    (DSA families carry ``index_topk``, ``index_n_heads`` and ``index_head_dim``); dense models
-    converted to DSA fall back to the defaults documented on each field.
+    Fields left as ``None`` are filled when ``patch_model`` runs, by one precedence: the record of a
+    saved patched model (``model.config.hyscale_indexer``), then the model config's ``index_topk``,
+    ``index_n_heads`` and ``index_head_dim`` (DSA families carry them), then the defaults documented
+    on each field (docs/design.md section 3).
 
     Attributes:
         topk: keys kept per query (K). DSA models: ``config.index_topk``; dense models: 2048.
-        index_n_heads: indexer heads H. DSA models: ``config.index_n_heads``; dense models: 32.
-        index_head_dim: indexer head dim D. DSA models: ``config.index_head_dim``; dense models: 128.
+        index_n_heads: indexer heads H. DSA models: ``config.index_n_heads`` (fixed by the weights);
+            dense models: sized from the attention (``default_indexer_shape``).
+        index_head_dim: indexer head dim D. DSA models: ``config.index_head_dim`` (fixed by the
+            weights); dense models: sized from the attention.
         relu: apply ReLU to per-head indexer logits before the head-weighted sum. ``None`` follows
             the model family's own code.
         selection_replay: under gradient checkpointing, recompute reuses the forward's indices

@@ -1,6 +1,8 @@
 """Transformers glue: one module per model family, each registering itself with
-``hyscale_hf.families.register_family``, plus the Transformers checkpointing hooks of selection
-replay (``_checkpointing``). The only part of hyscale_hf that knows Transformers internals.
+``hyscale_hf.families.register_family``, the one DSA attention step every patched layer runs
+(``_dsa_step``, over the visibility of ``_visibility``; patched and undone through ``_dsa_patch``),
+and the Transformers checkpointing hooks of selection replay (``_checkpointing``). The only part of
+hyscale_hf that knows Transformers internals.
 Families missing from the installed Transformers are skipped at import.
 
 Nothing here imports ``hyscale_hf.patching``: patching imports this package on first use to fill

@@ -2,93 +2,25 @@
 
 Every DSA family in Transformers builds the indexer's full ``[B, S, H, T]`` score table, a dense
 ``[B, 1, S, T]`` mask, and runs dense attention under that mask. A patched attention module
-instead:
+instead projects queries and the compressed KV latents exactly as the family does (family hooks),
+runs the indexer on detached inputs, and hands the absorbed-MLA inputs (``MLAAttention``: one latent
+row per token, Hkv = 1) to the DSA attention step every patched layer runs (``_dsa_step``:
+selection, sparse or dense warm-up attention, indexer KL loss).
 
-1. projects queries and the compressed KV latents exactly as the family does (family hooks),
-2. runs the indexer on detached inputs and selects with ``hytopk`` (IndexShare "shared" layers take
-   their source layer's indices of the same forward call through ``reuse_indices``),
-3. attends in MLA absorbed form with ``sparse_attention`` (one latent row per token, Hkv = 1),
-4. adds the indexer KL loss through ``attach_indexer_loss`` when training.
-
-The model-level mask goes through a registered attention implementation ("hyscale_dsa") whose mask
-function returns only the 2-D padding mask, so no ``[B, 1, S, T]`` tensor is ever built.
 Family files subclass ``MLADSAFamily`` and override the hooks where their model differs (RoPE
 layout, query projection, output gates, attention sinks, names).
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from ..indexer import attach_indexer_loss
-from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
-from ..kernels.sparse_attn.mla_query import absorbed_query
-from ..kernels.windows import chunk_budget_bytes, query_windows
-from ..replay import reuse_indices
 from ..state import PatchState
-from ..training import observe_selection
-from ._chunked_lm_loss import apply_chunked_lm_loss
-from ._lean_layers import apply_lean_layers
-
-ATTN_IMPLEMENTATION = "hyscale_dsa"
-
-
-# ----------------------------------------------------------------------------- attention implementation
-
-
-def _padding_mask_only(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function=None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor | None:
-    """Mask function of "hyscale_dsa": return the 2-D padding mask (or None), never a 4-D one.
-
-    Patched attention derives each query's visible window from it (left padding) and from
-    ``position_ids`` / ``cu_seq_lens_*`` (packed sequences). A row must be one block of real tokens
-    (left and/or right padding); a mask with holes cannot be expressed as a key window.
-    """
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"hyscale_hf patched DSA attention takes a 2-D padding mask [batch, keys]; got shape {tuple(attention_mask.shape)}"
-        )
-    mask = attention_mask.to(torch.bool)
-    as_int = mask.to(torch.int8)
-    rises = (as_int[:, 1:] > as_int[:, :-1]).sum(-1) + as_int[:, 0]
-    if bool((rises > 1).any()):
-        raise ValueError(
-            "attention_mask rows must hold one contiguous block of real tokens (left and/or right padding); "
-            "got a row with holes. Use left padding for batched generate()."
-        )
-    return mask
-
-
-def _refuse_unpatched(module, *args, **kwargs):
-    raise RuntimeError(
-        f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but was not patched by "
-        "hyscale_hf; call hyscale_hf.unpatch_model(model) before changing the model's modules"
-    )
-
-
-def register_attention_implementation() -> None:
-    """Register "hyscale_dsa" in both AttentionInterface and AttentionMaskInterface (idempotent)."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _refuse_unpatched)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask_only)
-
+from ._dsa_patch import patch_attention, resolve_indexer_options
+from ._dsa_step import MLAAttention, dsa_attention
+from ._visibility import visibility
 
 # ----------------------------------------------------------------------------- family hooks
 
@@ -200,66 +132,6 @@ class MLADSAFamily:
             q, k = torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
         return q, k[:, :, 0], self.indexer_weights(indexer, x)
 
-    # --- config
-
-    def model_index_config(self, config) -> tuple[int, int, int]:
-        """(index_topk, index_n_heads, index_head_dim) of the model config."""
-        return config.index_topk, config.index_n_heads, config.index_head_dim
-
-
-# ----------------------------------------------------------------------------- visibility
-
-
-def _first_real_key(mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of each row's first True (0 for an all-False row)."""
-    return mask.to(torch.int8).argmax(dim=-1)
-
-
-def _packed_starts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
-    """[B, S] first token of each query's packed sequence from position_ids resets (Transformers' rule:
-    a new sequence starts wherever the position does not rise by one), or None when there is no reset."""
-    pos = position_ids.expand(batch, -1)
-    first = torch.ones_like(pos[:, :1], dtype=torch.bool)
-    is_start = torch.cat([first, pos[:, 1:] - pos[:, :-1] != 1], dim=1)
-    if not bool(is_start[:, 1:].any()):
-        return None
-    arange = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)
-    return torch.where(is_start, arange, torch.zeros_like(arange)).cummax(dim=1).values
-
-
-def key_windows(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int):
-    """(cu_seqlens, window_start) narrowing each query's visible keys, as hytopk takes them.
-
-    Packed sequences come as ``cu_seq_lens_q/k`` kwargs (DataCollatorWithFlattening) or as
-    ``position_ids`` resets; left padding comes from the 2-D padding mask. Resets are looked for
-    whenever there is no cached prefix (``queries == keys``): Transformers looks only without a
-    cache object and without a padding mask, so an unpatched model run with ``use_cache=True`` on a
-    packed batch would attend across sequences; a patched one never selects across a boundary.
-    """
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
-        cu = cu_q if cu_q is not None else cu_k
-        if cu_q is not None and cu_k is not None and not torch.equal(cu_q, cu_k):
-            raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be equal for causal self-attention over packed sequences")
-        if queries != keys:
-            raise ValueError("cu_seq_lens_* (packed sequences) cannot be combined with a cached prefix")
-        return cu.to(torch.int32), None
-    window_start = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"hyscale_hf patched DSA attention takes a 2-D padding mask; got shape {tuple(attention_mask.shape)}"
-            )
-        if attention_mask.shape[-1] < keys:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} keys but there are {keys}")
-        first = _first_real_key(attention_mask[:, :keys])
-        window_start = first if bool(first.any()) else None
-    if position_ids is not None and position_ids.dim() == 2 and queries == keys:
-        starts = _packed_starts(position_ids, batch)
-        if starts is not None:
-            window_start = starts if window_start is None else torch.maximum(starts, window_start[:, None])
-    return None, window_start
-
 
 # ----------------------------------------------------------------------------- caches
 
@@ -334,55 +206,6 @@ def _absorb_weights(attn):
     return w[:, : attn.qk_nope_head_dim], w[:, attn.qk_nope_head_dim :]
 
 
-def _window_indices(batch, queries, keys, window, key_offset, cu_seqlens, window_start, device) -> torch.Tensor:
-    """int32 [B, S, min(W, T)]: each query's last W visible keys (ascending, -1 padded), as positions in a
-    key buffer that starts at absolute position ``key_offset`` (a sliding-window cache drops older keys)."""
-    start, end = query_windows(batch, queries, keys, cu_seqlens=cu_seqlens, window_start=window_start, device=device)
-    first = torch.maximum(start, end - (window - 1))
-    idx = first[..., None] + torch.arange(min(window, keys), device=device)
-    return torch.where(idx <= end[..., None], idx - key_offset, -1).to(torch.int32)
-
-
-def _dense_attention(q, k, value_dim: int, scale: float, cu_seqlens, window_start, want_lse: bool):
-    """Attention of every query over all its visible keys (the dense warm-up stage), MLA absorbed form.
-
-    q [B, S, H, D], k [B, T, 1, D], v = k[..., :value_dim]. Plain causal inputs use SDPA (no mask);
-    anything else (padding, packing, a cache offset, or when the lse is needed) runs query chunks
-    with each chunk checkpointed, so memory stays O(chunk * T). Returns (o [B, S, H, value_dim], lse or None).
-    """
-    B, S, H, _ = q.shape
-    T = k.shape[1]
-    if cu_seqlens is None and window_start is None and S == T and not want_lse:
-        qt = q.transpose(1, 2)
-        kt = k.transpose(1, 2).expand(B, H, T, k.shape[-1])
-        o = F.scaled_dot_product_attention(qt, kt, kt[..., :value_dim], is_causal=True, scale=scale)
-        return o.transpose(1, 2), None
-    start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
-    chunk = max(1, chunk_budget_bytes(q.device) // max(1, 4 * B * H * T))  # [B, c, H, W] fp32 logits
-    outs, lses = [], []
-    for c0 in range(0, S, chunk):
-        c1 = min(S, c0 + chunk)
-        lo, hi = int(start[:, c0:c1].min()), int(end[:, c0:c1].max()) + 1
-        hi = max(hi, lo + 1)
-        keys = torch.arange(lo, hi, device=q.device)
-        visible = (keys >= start[:, c0:c1, None]) & (keys <= end[:, c0:c1, None])  # [B, c, W]
-
-        def block(qc, kc, visible=visible):
-            logits = torch.einsum("bchd,bkd->bchk", qc.float(), kc.float()) * scale
-            logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
-            lse = torch.logsumexp(logits, dim=-1)
-            safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-            p = torch.exp(logits - safe[..., None])
-            o = torch.einsum("bchk,bkd->bchd", p, kc[..., :value_dim].float())
-            return o.to(qc.dtype), lse
-
-        args = (q[:, c0:c1], k[:, lo:hi, 0])
-        o_c, lse_c = checkpoint(block, *args, use_reentrant=False) if torch.is_grad_enabled() else block(*args)
-        outs.append(o_c)
-        lses.append(lse_c)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
-
-
 # ----------------------------------------------------------------------------- patched forward
 
 
@@ -404,7 +227,6 @@ def mla_dsa_attention_forward(
     """
     family: MLADSAFamily = self._hyscale_family
     state: PatchState = self._hyscale_state
-    cfg = state.config
     if cache is None:
         cache = past_key_values
     if self.training and self.attention_dropout and torch.is_grad_enabled():
@@ -425,8 +247,6 @@ def mla_dsa_attention_forward(
 
     w_uk, w_uv = _absorb_weights(self)
     attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, L, 1, C + R]
-    value_dim = self.kv_lora_rank
-    cu_seqlens, window_start = key_windows(attention_mask, position_ids, kwargs, B, S, T)
 
     indexer = family.indexer(self)
     shared_layer = family.is_shared_layer(self)
@@ -434,7 +254,7 @@ def mla_dsa_attention_forward(
     if (indexer is not None or shared_layer or window is None) and key_offset:
         raise RuntimeError(f"layer {self.layer_idx}: the cache returned {latent.shape[1]} of {T} keys; only a "
                            "sliding-window layer may drop old keys")
-    index_q = index_k = index_w = None
+    index = None
     if indexer is not None:
         # Detached inputs (RoPE tables too: Mistral Large 4 learns its frequencies): the indexer learns
         # only from its KL loss, and that loss reaches nothing but the indexer.
@@ -442,131 +262,45 @@ def mla_dsa_attention_forward(
             indexer, x.detach(), q_index_input.detach() if q_index_input is not None else None, cos.detach(),
             sin.detach(), position_ids,
         )
-        index_k = _indexer_keys(cache, self.layer_idx, new_keys, past, T)
+        index = (index_q, _indexer_keys(cache, self.layer_idx, new_keys, past, T), index_w)
+    # Counted over the L keys attended over (a sliding-window cache keeps only the last of the T so far).
+    vis = visibility(attention_mask, position_ids, kwargs, B, S, latent.shape[1], sliding_window=window,
+                     device=x.device)
+    attention = MLAAttention(q_nope, q_rot, w_uk, attn_k, value_dim=self.kv_lora_rank, scale=self.scaling,
+                             sinks=family.sinks(self), name=family.model_type)
 
-    sinks = family.sinks(self)
-    topk_indices = loss_indices = None
-    sparse = window is None and not cfg.dense_warmup and (indexer is not None or shared_layer)
-    if not sparse:  # the absorbed query [B, S, H, C + R] through plain autograd
-        attn_q = absorbed_query(q_nope, q_rot, w_uk)
-    if window is not None:  # a sliding-window layer (no indexer): its selection is the window itself
-        o_latent, lse = sparse_attention(attn_q, attn_k, attn_k[..., :value_dim],
-                                         _window_indices(B, S, T, window, key_offset, cu_seqlens, window_start, x.device),
-                                         scale=self.scaling, return_lse=True, backend=cfg.backend)
-    elif cfg.dense_warmup or (indexer is None and not shared_layer):  # warm-up, or a layer without DSA
-        o_latent, lse = _dense_attention(attn_q, attn_k, value_dim, self.scaling, cu_seqlens, window_start,
-                                         want_lse=sinks is not None)
-    else:
-        if indexer is not None:
-            # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
-            topk_indices = hytopk(index_q.detach(), index_k.detach(), index_w.detach(), min(cfg.topk, T),
-                                  cu_seqlens=cu_seqlens, window_start=window_start, relu=cfg.relu,
-                                  backend=cfg.backend)
-        else:
-            if prev_topk_indices is None:
-                raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
-            topk_indices = reuse_indices(prev_topk_indices)
-        # attn_q comes back without gradient (the KL target and the recall probe only read it); the
-        # attention rebuilds it from q_nope in backward instead of keeping it (see kernels/sparse_attn/mla.py).
-        o_latent, lse, attn_q = mla_sparse_attention(q_nope, q_rot, w_uk, attn_k, topk_indices, value_dim=value_dim,
-                                                     scale=self.scaling, backend=cfg.backend)
-        loss_indices = topk_indices
-    if indexer is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
-        observe_selection(state, index_q, index_k, index_w, attn_q, attn_k, scale=self.scaling, relu=cfg.relu,
-                          cu_seqlens=cu_seqlens, window_start=window_start)
+    def finish(o_latent):  # [B, S, H, C] -> the module output
+        o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
+        return self.o_proj(family.finish_output(self, x, o, gate))
 
-    if sinks is not None:
-        if torch.is_grad_enabled() and o_latent.requires_grad and lse.grad_fn is None:
-            raise RuntimeError(
-                f"attention sinks need gradients through the sparse attention's lse, which backend "
-                f"{cfg.backend!r} does not provide; use backend='torch' for {family.model_type}"
-            )
-        sink = sinks.float()
-        o_latent = o_latent * torch.sigmoid(lse - sink).to(o_latent.dtype)[..., None]
-        lse = torch.logaddexp(lse, sink)  # the softmax normaliser including the sink, for the KL target
-
-    o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
-    attn_output = self.o_proj(family.finish_output(self, x, o, gate))
-
-    coef = float(cfg.indexer_loss_coef)
-    if indexer is not None and self.training and torch.is_grad_enabled() and coef > 0:
-        loss = indexer_kl_loss(
-            index_q, index_k, index_w, attn_q, attn_k, loss_indices, attn_lse=lse, scale=self.scaling,
-            relu=cfg.relu, cu_seqlens=cu_seqlens if loss_indices is None else None,
-            window_start=window_start if loss_indices is None else None, backend=cfg.backend,
-        )
-        attn_output = attach_indexer_loss(attn_output, loss, state)
-
+    attn_output, topk_indices = dsa_attention(
+        attention, state, vis, index=index, shared=shared_layer, prev_indices=prev_topk_indices, window=window,
+        training=self.training, finish=finish,
+    )
     if family.returns_indices:
         return attn_output, None, topk_indices
     return attn_output, None
 
 
-# ----------------------------------------------------------------------------- apply / undo
-
-
-def _resolve_config(state: PatchState, family: MLADSAFamily, model_config) -> None:
-    """Fill the config's None fields from the model and check the rest fits the model's indexer."""
-    cfg = state.config
-    topk, n_heads, head_dim = family.model_index_config(model_config)
-    for name, model_value in (("index_n_heads", n_heads), ("index_head_dim", head_dim)):
-        value = getattr(cfg, name)
-        if value is not None and value != model_value:
-            raise ValueError(
-                f"HyScaleConfig.{name}={value} does not match the model's indexer ({name}={model_value}); "
-                "a DSA model's indexer shape is fixed by its weights: leave it None"
-            )
-    cfg.topk = topk if cfg.topk is None else cfg.topk
-    cfg.index_n_heads, cfg.index_head_dim = n_heads, head_dim
-    cfg.relu = family.relu if cfg.relu is None else cfg.relu
+# ----------------------------------------------------------------------------- apply
 
 
 def patch_mla_dsa_model(model: torch.nn.Module, state: PatchState, family: MLADSAFamily) -> Callable[[], None]:
-    """Patch every ``family.attention_class`` module of ``model`` in place; returns the undo function."""
+    """Patch every ``family.attention_class`` module of ``model`` in place; returns the undo."""
     modules = [m for m in model.modules() if isinstance(m, family.attention_class)]
     if not modules:
         raise ValueError(
             f"{type(model).__name__} has no {family.attention_class.__name__} module to patch for {family.model_type!r}"
         )
-    text_config = modules[0].config
-    _resolve_config(state, family, text_config)
-    register_attention_implementation()
+    resolve_indexer_options(state.config, modules[0].config, default_relu=family.relu, shape_from_weights=True)
 
-    undo_steps: list[Callable[[], None]] = [apply_chunked_lm_loss(model, state)]  # the only step that may refuse
-    for module in modules:
-        module._hyscale_family = family
-        module._hyscale_state = state
-        module.forward = types.MethodType(mla_dsa_attention_forward, module)
+    def prepare(undo, module):
+        undo.set_attr(module, "_hyscale_family", family)
         indexer = family.indexer(module)
-        flags = [(p, p.requires_grad) for p in indexer.parameters()] if indexer is not None else []
-        for p, _ in flags:
-            p.requires_grad_(True)  # the indexer trains from its KL loss
+        for p in indexer.parameters() if indexer is not None else ():
+            undo.set_value(p, "requires_grad", True)  # the indexer trains from its KL loss
 
-        def undo_module(module=module, flags=flags):
-            del module.forward
-            del module._hyscale_family
-            del module._hyscale_state
-            for p, flag in flags:
-                p.requires_grad_(flag)
-
-        undo_steps.append(undo_module)
-
-    undo_steps.append(apply_lean_layers(model, state))
-    configs = {id(m.config): m.config for m in modules}
-    for config in configs.values():
-        previous = config._attn_implementation
-
-        def undo_config(config=config, previous=previous):
-            config._attn_implementation = previous
-
-        config._attn_implementation = ATTN_IMPLEMENTATION
-        undo_steps.append(undo_config)
-
-    def undo() -> None:
-        for step in reversed(undo_steps):
-            step()
-
-    return undo
+    return patch_attention(model, state, modules, mla_dsa_attention_forward, prepare=prepare)
 
 
 def load_family_module(name: str):

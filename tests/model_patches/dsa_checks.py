@@ -13,7 +13,7 @@ import inspect
 import torch
 
 import hyscale_hf
-from hyscale_hf.model_patches import _mla_dsa
+from hyscale_hf.model_patches import _dsa_step
 from hyscale_hf.state import patch_state
 
 from .tiny_models import VOCAB, build
@@ -111,14 +111,14 @@ def _capture_ref_selections(model):
 
 def _capture_patched_selections(monkeypatch):
     captured = []
-    original = _mla_dsa.hytopk
+    original = _dsa_step.hytopk
 
     def recording(*args, **kwargs):
         idx = original(*args, **kwargs)
         captured.append(idx)
         return idx
 
-    monkeypatch.setattr(_mla_dsa, "hytopk", recording)
+    monkeypatch.setattr(_dsa_step, "hytopk", recording)
     return captured
 
 
@@ -181,7 +181,7 @@ def check_unpatch_restores(model_type: str) -> None:
         hyscale_hf.patch_model(model, backend="torch")
         assert hyscale_hf.is_patched(model)
         assert (attn_cls.forward, layer_cls.forward) == class_forwards  # only instances are patched
-        assert "forward" in vars(attn) and attn.config._attn_implementation == _mla_dsa.ATTN_IMPLEMENTATION
+        assert "forward" in vars(attn) and attn.config._attn_implementation == _dsa_step.ATTN_IMPLEMENTATION
         model(x)
         hyscale_hf.unpatch_model(model)
         after = model(x).logits
@@ -201,7 +201,7 @@ def check_save_load(model_type: str, tmp_path) -> None:
         expected = model(x).logits
     model.save_pretrained(tmp_path)
     config_text = (tmp_path / "config.json").read_text()
-    assert _mla_dsa.ATTN_IMPLEMENTATION not in config_text
+    assert _dsa_step.ATTN_IMPLEMENTATION not in config_text
     loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
     for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2), n1
@@ -316,3 +316,41 @@ def check_dense_warmup(model_type: str) -> None:
         out_pat.loss.backward()
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for _, p in indexer_params(pat))
     assert patch_state(pat).pop_indexer_loss() > 0
+
+
+def check_right_padding_full_topk(model_type: str) -> None:
+    """Right padding with topk >= T, in both stages: every position equals the unpatched model (padding
+    queries see the real keys only, as under the unpatched mask), and the indexer loss counts only the
+    real queries: it equals the loss of the row without its padding."""
+    ref, _ = build(model_type, index_topk=64)
+    x = tokens(1, 16, seed=7)
+    mask = torch.ones_like(x)
+    mask[0, 13:] = 0  # fewer padding tokens than dots3's window of 5: each padding query keeps a real key
+    for warmup in (False, True):
+        pat = patched_copy(ref, dense_warmup=warmup)
+        with torch.no_grad():
+            assert_close(ref(x, attention_mask=mask).logits, pat(x, attention_mask=mask).logits,
+                         what=f"right padding, dense_warmup={warmup}")
+        pat.train()
+        pat(x, attention_mask=mask, labels=padded_labels(x, mask))
+        padded = patch_state(pat).pop_indexer_loss()
+        pat(x[:, :13], labels=x[:, :13])
+        alone = patch_state(pat).pop_indexer_loss()
+        assert abs(padded - alone) <= 1e-5 * max(1.0, abs(alone)), (warmup, padded, alone)
+
+
+def check_deepcopy_is_independent(model_type: str) -> None:
+    """A deep copy of a patched model is an independent patched model: unpatching the copy restores the
+    copy and leaves the original patched (the undo is an object copied with the model)."""
+    model, _ = build(model_type, index_topk=4)
+    hyscale_hf.patch_model(model, backend="torch")
+    twin = copy.deepcopy(model)
+    x = tokens(2, 12)
+    with torch.no_grad():
+        expected = model(x).logits
+        assert torch.equal(twin(x).logits, expected)
+    hyscale_hf.unpatch_model(twin)
+    assert hyscale_hf.is_patched(model) and not hyscale_hf.is_patched(twin)
+    assert not any("forward" in vars(m) or "_hyscale_state" in vars(m) for m in twin.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, expected)

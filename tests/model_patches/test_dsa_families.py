@@ -66,3 +66,13 @@ def test_indexer_learns_only_from_its_loss(family):
 @family
 def test_dense_warmup_attends_to_all_keys(family):
     dsa_checks.check_dense_warmup(family)
+
+
+@family
+def test_right_padding_with_topk_covering_matches_everywhere(family):
+    dsa_checks.check_right_padding_full_topk(family)
+
+
+@family
+def test_deepcopy_of_a_patched_model_is_independent(family):
+    dsa_checks.check_deepcopy_is_independent(family)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hyscale_hf
-from hyscale_hf.model_patches import _mla_dsa
+from hyscale_hf.model_patches import _dsa_step
 
 from . import dsa_checks
 from .tiny_models import build, has_family
@@ -22,14 +22,14 @@ pytestmark = pytest.mark.skipif(not has_family(FAMILY), reason=f"the installed T
 
 
 def _record(monkeypatch, name):
-    calls, original = [], getattr(_mla_dsa, name)
+    calls, original = [], getattr(_dsa_step, name)
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
         calls.append((args[0], out))
         return out
 
-    monkeypatch.setattr(_mla_dsa, name, recording)
+    monkeypatch.setattr(_dsa_step, name, recording)
     return calls
 
 

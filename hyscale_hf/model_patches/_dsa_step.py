@@ -1,0 +1,285 @@
+"""One DSA attention step, run by every patched attention layer (docs/design.md section 2).
+
+A patched layer projects its queries and keys its own way, runs its indexer on detached inputs,
+builds its keys' visibility (``_visibility``), and hands all of it to ``dsa_attention``, which
+
+1. selects: ``hytopk`` on the indexer scores (an IndexShare "shared" layer copies its source layer's
+   indices of the same forward call through ``reuse_indices``; a sliding-window layer without an
+   indexer selects its window),
+2. attends over the selection (sparse), or over every visible key (the dense warm-up stage, and
+   layers without DSA),
+3. samples top-k recall when asked (``observe_selection``), and during training joins the indexer
+   KL loss to the layer's output (``attach_indexer_loss``).
+
+The attention comes in two forms, both with the same four methods: ``MLAAttention`` (native DSA
+families, ``_mla_dsa``: absorbed MLA queries against one latent row per token) and ``GQAAttention``
+(dense families given an indexer, ``_dense_common``: the family's own q/k/v after RoPE and the cache
+update).
+
+The model-level mask goes through one registered attention implementation (``ATTN_IMPLEMENTATION``)
+whose mask function returns only the 2-D padding mask, so no ``[B, 1, S, T]`` tensor is ever built.
+Its attention function serves the dense families, whose own forward calls it (a patched module
+hands its layer call in through ``CALL_KWARG``); it refuses any module that hyscale_hf did not patch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from ..indexer import attach_indexer_loss
+from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
+from ..kernels.sparse_attn.mla_query import absorbed_query
+from ..kernels.windows import chunk_budget_bytes
+from ..replay import reuse_indices
+from ..state import PatchState
+from ..training import observe_selection
+from ._visibility import Visibility, padding_mask_only, window_indices
+
+ATTN_IMPLEMENTATION = "hyscale_dsa"
+CALL_KWARG = "_hyscale_call"  # the keyword a patched dense forward adds for the attention function
+
+
+# ----------------------------------------------------------------------------- attention implementation
+
+
+def attention_function(module, *args, **kwargs):
+    """The ``AttentionInterface`` entry of ``ATTN_IMPLEMENTATION``: runs the layer call a patched
+    module's forward passed as ``CALL_KWARG`` (``call(module, query, key, value, attention_mask, ...)``)."""
+    call = kwargs.pop(CALL_KWARG, None)
+    if call is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r}, which only serves "
+            "attention modules patched by hyscale_hf.patch_model; call hyscale_hf.unpatch_model(model) before "
+            "changing the model's modules"
+        )
+    return call(module, *args, **kwargs)
+
+
+def register_attention_implementation() -> None:
+    """Register ``ATTN_IMPLEMENTATION`` in both AttentionInterface and AttentionMaskInterface
+    (idempotent; with the first alone ``create_causal_mask`` returns None, docs/design.md section 8)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_function)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask_only)
+
+
+register_attention_implementation()
+
+
+# ----------------------------------------------------------------------------- the two attention forms
+
+
+class GQAAttention:
+    """Attention of a dense layer: ``q [B, S, Hq, D]``, ``k [B, T, Hkv, D]``, ``v [B, T, Hkv, Dv]``.
+
+    Every ``attend_*`` returns ``(o [B, S, Hq, Dv], lse [B, S, Hq] fp32 or None)``.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+        self.q, self.k, self.v, self.scale = q, k, v, scale
+        self.shape, self.device = (q.shape[0], q.shape[1], k.shape[1]), q.device  # shape: (B, S, T)
+
+    def attend_selected(self, indices: torch.Tensor, backend: str):
+        return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend)
+
+    attend_window = attend_selected
+
+    def attend_all(self, vis: Visibility, backend: str):
+        """Every visible key, through SDPA (a boolean ``[B, 1, S, T]`` mask only when padding, packing or a
+        window needs one, as the family's own sdpa path does); no lse."""
+        B, S, T = self.shape
+        qt, kt, vt = self.q.transpose(1, 2), self.k.transpose(1, 2), self.v.transpose(1, 2)
+        plain = vis.cu_seqlens is None and vis.window_start is None and vis.key_end is None
+        if plain and (S == T or S == 1):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=S > 1, scale=self.scale, enable_gqa=True)
+            return o.transpose(1, 2), None
+        start, end = vis.windows(B, S, T, self.device)
+        s = torch.arange(T, device=self.device)
+        visible = (s >= start[..., None]) & (s <= end[..., None])  # [B, S, T]
+        no_key = ~visible.any(-1)
+        # A query with no visible key (left padding) attends to key 0 so softmax stays finite; zeroed below.
+        visible = visible | (no_key[..., None] & (s == 0))
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible[:, None], scale=self.scale, enable_gqa=True)
+        return o.transpose(1, 2).masked_fill(no_key[..., None, None], 0.0), None
+
+    def target(self):
+        """The attention's (queries, keys) as the indexer's KL target reads them."""
+        return self.q, self.k
+
+
+class MLAAttention:
+    """Attention of a native DSA layer in MLA absorbed form.
+
+    ``q_nope [B, S, H, N]`` and ``q_rot [B, S, H, R]`` (after RoPE), ``w_uk [H, N, C]``, ``kv [B, T, 1, C + R]``
+    one latent row per token (key, and its first ``value_dim`` dims the value), ``sinks [H]`` per-head
+    attention-sink logits (an extra softmax term with no value) or None. Every ``attend_*`` returns
+    ``(o [B, S, H, value_dim], lse [B, S, H] fp32 or None)``, the sink included.
+    """
+
+    def __init__(self, q_nope, q_rot, w_uk, kv, *, value_dim: int, scale: float, sinks=None, name: str = "") -> None:
+        self.q_nope, self.q_rot, self.w_uk, self.kv = q_nope, q_rot, w_uk, kv
+        self.value_dim, self.scale, self.sinks, self.name = value_dim, scale, sinks, name
+        self.shape, self.device = (q_nope.shape[0], q_nope.shape[1], kv.shape[1]), kv.device
+        self.attn_q = None  # [B, S, H, C + R] absorbed query, set by the attend_* that ran
+
+    def attend_selected(self, indices: torch.Tensor, backend: str):
+        # attn_q comes back without gradient (the KL target and the recall probe only read it); the
+        # attention rebuilds it from q_nope in backward instead of keeping it (see kernels/sparse_attn/mla.py).
+        o, lse, self.attn_q = mla_sparse_attention(self.q_nope, self.q_rot, self.w_uk, self.kv, indices,
+                                                   value_dim=self.value_dim, scale=self.scale, backend=backend)
+        return self._with_sinks(o, lse, backend)
+
+    def attend_window(self, indices: torch.Tensor, backend: str):
+        self.attn_q = absorbed_query(self.q_nope, self.q_rot, self.w_uk)  # through plain autograd
+        o, lse = sparse_attention(self.attn_q, self.kv, self.kv[..., : self.value_dim], indices, scale=self.scale,
+                                  return_lse=True, backend=backend)
+        return self._with_sinks(o, lse, backend)
+
+    def attend_all(self, vis: Visibility, backend: str):
+        self.attn_q = absorbed_query(self.q_nope, self.q_rot, self.w_uk)
+        o, lse = _dense_mla(self.attn_q, self.kv, self.value_dim, self.scale, vis, want_lse=self.sinks is not None)
+        return self._with_sinks(o, lse, backend)
+
+    def target(self):
+        return self.attn_q, self.kv
+
+    def _with_sinks(self, o, lse, backend: str):
+        if self.sinks is None:
+            return o, lse
+        if torch.is_grad_enabled() and o.requires_grad and lse.grad_fn is None:
+            raise RuntimeError(
+                f"attention sinks need gradients through the sparse attention's lse, which backend "
+                f"{backend!r} does not provide; use backend='torch' for {self.name}"
+            )
+        sink = self.sinks.float()
+        o = o * torch.sigmoid(lse - sink).to(o.dtype)[..., None]
+        return o, torch.logaddexp(lse, sink)  # the softmax normaliser including the sink, for the KL target
+
+
+def _dense_mla(q, k, value_dim: int, scale: float, vis: Visibility, want_lse: bool):
+    """Attention of every query over all its visible keys, MLA absorbed form.
+
+    q [B, S, H, D], k [B, T, 1, D], v = k[..., :value_dim]. Plain causal inputs use SDPA (no mask);
+    anything else (padding, packing, a cache offset, or when the lse is needed) runs query chunks
+    with each chunk checkpointed, so memory stays O(chunk * T). Returns (o [B, S, H, value_dim], lse or None).
+    """
+    B, S, H, _ = q.shape
+    T = k.shape[1]
+    plain = vis.cu_seqlens is None and vis.window_start is None and vis.key_end is None
+    if plain and S == T and not want_lse:
+        qt = q.transpose(1, 2)
+        kt = k.transpose(1, 2).expand(B, H, T, k.shape[-1])
+        o = F.scaled_dot_product_attention(qt, kt, kt[..., :value_dim], is_causal=True, scale=scale)
+        return o.transpose(1, 2), None
+    start, end = vis.windows(B, S, T, q.device)
+    chunk = max(1, chunk_budget_bytes(q.device) // max(1, 4 * B * H * T))  # [B, c, H, W] fp32 logits
+    outs, lses = [], []
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        lo, hi = int(start[:, c0:c1].min()), int(end[:, c0:c1].max()) + 1
+        hi = max(hi, lo + 1)
+        keys = torch.arange(lo, hi, device=q.device)
+        visible = (keys >= start[:, c0:c1, None]) & (keys <= end[:, c0:c1, None])  # [B, c, W]
+
+        def block(qc, kc, visible=visible):
+            logits = torch.einsum("bchd,bkd->bchk", qc.float(), kc.float()) * scale
+            logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+            lse = torch.logsumexp(logits, dim=-1)
+            safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+            p = torch.exp(logits - safe[..., None])
+            o = torch.einsum("bchk,bkd->bchd", p, kc[..., :value_dim].float())
+            return o.to(qc.dtype), lse
+
+        args = (q[:, c0:c1], k[:, lo:hi, 0])
+        o_c, lse_c = checkpoint(block, *args, use_reentrant=False) if torch.is_grad_enabled() else block(*args)
+        outs.append(o_c)
+        lses.append(lse_c)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def dsa_attention(
+    attention: GQAAttention | MLAAttention,
+    state: PatchState,
+    vis: Visibility,
+    *,
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    shared: bool = False,
+    prev_indices: torch.Tensor | None = None,
+    window: int | None = None,
+    training: bool = False,
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+):
+    """One attention step of a patched layer; reads the live ``state.config`` (stage, topk, backend).
+
+    Args:
+        attention: the layer's attention inputs (``MLAAttention`` or ``GQAAttention``), over T keys.
+        vis: the visibility of those keys (``_visibility.visibility``).
+        index: the layer's indexer output on detached inputs, ``(q [B, S, H, D], k [B, T, D] with
+            the cached keys, w [B, S, H] fp32)``; None for a layer without an indexer.
+        shared: an IndexShare "shared" layer: it attends over ``prev_indices`` (int32 ``[B, S, K]``, its
+            source layer's selection of this forward call).
+        window: ``W`` of a sliding-window layer without an indexer: its selection is its window.
+        training: the module's training flag (the indexer loss is added only when training with grad).
+        finish: maps the attention output ``o [B, S, H, Dv]`` to the layer output the loss rides on
+            (MLA: ``W_UV``, gates and ``o_proj``); identity when None.
+
+    Returns:
+        ``(output, indices)``: indices int32 ``[B, S, K]`` of the sparse stage (None otherwise).
+    """
+    cfg = state.config
+    B, S, T = attention.shape
+    indices = None
+    if index is None and not shared and window is not None:
+        o, lse = attention.attend_window(window_indices(vis, window, B, S, T, attention.device), cfg.backend)
+    elif cfg.dense_warmup or (index is None and not shared):  # warm-up, or a layer without DSA
+        o, lse = attention.attend_all(vis, cfg.backend)
+    else:
+        if index is not None:
+            iq, ik, iw = index
+            # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
+            indices = hytopk(iq.detach(), ik.detach(), iw.detach(), min(int(cfg.topk), T), cu_seqlens=vis.cu_seqlens,
+                             window_start=vis.window_start, relu=cfg.relu, backend=cfg.backend)
+            if vis.key_end is not None:  # right padding: only padding queries could have picked padding keys
+                indices = indices.masked_fill(indices > vis.key_end[:, None, None].to(indices.dtype), -1)
+        elif prev_indices is None:
+            raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
+        else:
+            indices = reuse_indices(prev_indices)
+        o, lse = attention.attend_selected(indices, cfg.backend)
+    if index is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
+        attn_q, attn_k = attention.target()
+        observe_selection(state, *index, attn_q, attn_k, scale=attention.scale, relu=cfg.relu,
+                          cu_seqlens=vis.cu_seqlens, window_start=vis.window_start)
+    out = o if finish is None else finish(o)
+    if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
+        out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, cfg), state)
+    return out, indices
+
+
+def _indexer_loss(attention, index, indices, lse, vis: Visibility, cfg) -> torch.Tensor:
+    """The indexer KL (fp32 scalar, mean over the real queries that have a key): on each query's selected
+    set in the sparse stage, over every visible key in the dense warm-up."""
+    iq, ik, iw = index
+    attn_q, attn_k = attention.target()
+    if indices is not None:
+        if vis.query_real is not None:  # padding queries are no training signal
+            indices = indices.masked_fill(~vis.query_real[..., None], -1)
+        return indexer_kl_loss(iq, ik, iw, attn_q, attn_k, indices, attn_lse=lse, scale=attention.scale,
+                               relu=cfg.relu, backend=cfg.backend)
+    kl = indexer_kl_loss(iq, ik, iw, attn_q, attn_k, None, attn_lse=lse, scale=attention.scale, relu=cfg.relu,
+                         cu_seqlens=vis.cu_seqlens, window_start=vis.window_start, reduction="none",
+                         backend=cfg.backend)
+    B, S, T = attention.shape
+    start, end = vis.windows(B, S, T, iq.device)
+    counted = end >= start
+    if vis.query_real is not None:
+        counted = counted & vis.query_real
+    return (kl * counted).sum() / counted.sum().clamp_min(1)
