@@ -250,6 +250,12 @@ def hytopk_triton(
     B, S, H, D = q.shape
     T = k.shape[1]
     K = min(topk, T)
+    if B * S == 0 and profile is None:  # nothing to score (T = 0 implies S = 0): no launch
+        n_out = topk if return_scores else 0
+        return (
+            torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device),
+            torch.full((B, S, n_out), float("-inf"), dtype=torch.float32, device=q.device),
+        )
     if torch.float64 in (q.dtype, k.dtype, w.dtype) or K > MAX_TRITON_TOPK:
         # fp64, or a K above MAX_TRITON_TOPK: the torch path gives the same exact answer.
         idx, sc = hytopk_reference(

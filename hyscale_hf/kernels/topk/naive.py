@@ -107,9 +107,11 @@ def hytopk_reference(
     """
     B, S, H, _ = q.shape
     T = k.shape[1]
+    idx_out = torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device)
+    score_out = torch.full((B, S, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    if B * S == 0:  # nothing to score (T = 0 implies S = 0)
+        return idx_out, score_out
     start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
-    idx_out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)
-    score_out = torch.empty(B, S, topk, dtype=torch.float32, device=q.device)
     chunk = query_chunk(B, H, T, chunk_size, q.device)
     dt = compute_dtype(q, k, w)
     k = k.to(dt)  # once, not per chunk
@@ -119,6 +121,8 @@ def hytopk_reference(
         # Score only the keys some query of the chunk can see (early causal chunks see few).
         lo = int(start[:, c0:c1].min())
         hi = int(end[:, c0:c1].max()) + 1
+        if lo >= hi:  # every window of the chunk starts past its query (window_start > position)
+            continue  # rows stay -1 / -inf
         scores = indexer_logits_block(q[:, c0:c1], k[:, lo:hi], w[:, c0:c1], relu, workspace).float()
         visible = visible_mask(start[:, c0:c1], end[:, c0:c1], lo, hi)
         if check_nan and bool(torch.isnan(scores[visible]).any()):

@@ -11,6 +11,7 @@ import torch
 from ..checks import (
     check_cu_seqlens,
     check_dim,
+    check_num_keys,
     check_same_device,
     check_tensor,
     check_topk,
@@ -90,10 +91,13 @@ def hytopk(
     Args:
         q: indexer queries ``[B, S, H, D]``, bf16/fp16/fp32.
         k: indexer keys ``[B, T, D]`` (one key per token, shared by the heads), same dtype family.
-        w: per-query head weights ``[B, S, H]``, fp32 (scales folded in).
-        topk: K > 0. With K >= visible keys every visible key is returned.
+        w: per-query head weights ``[B, S, H]``, fp32 (scales folded in). ``H >= 1`` and
+            ``D >= 1`` (else ``ValueError``); ``T <= 2**31``.
+        topk: ``0 < K <= 2**31 - 1``. With K >= visible keys every visible key is returned.
         cu_seqlens: optional int32/int64 ``[N + 1]`` packed-sequence offsets (needs B = 1, S = T).
         window_start: optional integer ``[B]`` or ``[B, S]``: first visible key per row/query.
+            Values <= 0 add no bound; a value past the query's position (also one > T) leaves
+            that query no visible key: its row is all ``-1``.
         relu: apply ReLU to each head's logit (family-specific; default on).
         return_scores: also return the fp32 scores of the selected keys.
         check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
@@ -117,7 +121,8 @@ def hytopk(
         with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
         (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
         continuous inputs the Triton scores can differ from the reference's in the last bits
-        because the head sum runs in another order).
+        because the head sum runs in another order). Empty inputs (``B``, ``S`` or ``T`` = 0)
+        give outputs of that shape (``T = 0``: all ``-1``).
     """
     check_tensor("q", q, 4, "[B, S, H, D]")
     B, S, H, D = q.shape
@@ -130,6 +135,13 @@ def hytopk(
     check_dim("w", w, 1, S, f"[B={B}, S={S}, H={H}]")
     check_dim("w", w, 2, H, f"[B={B}, S={S}, H={H}]")
     check_topk(topk)
+    # No heads (or zero-width heads) would make every score an empty sum, 0: a selection of the
+    # first K keys that no indexer means. Refused rather than defined.
+    if H < 1:
+        raise ValueError(f"q must have H >= 1 heads (shape [B, S, H, D]), got shape {tuple(q.shape)}")
+    if D < 1:
+        raise ValueError(f"q must have D >= 1 dims per head (shape [B, S, H, D]), got shape {tuple(q.shape)}")
+    check_num_keys("k", T)
     if S > T:
         raise ValueError(f"q has S = {S} queries but k has only T = {T} keys; need S <= T")
     check_same_device(q=q, k=k, w=w, cu_seqlens=cu_seqlens, window_start=window_start)

@@ -1,0 +1,90 @@
+"""hytopk on degenerate and extreme inputs, on both backends (the Triton kernels under Triton's CPU
+interpreter when there is no GPU): empty batches, windows past the query, topk out of
+range (docs/design.md section 4)."""
+
+import pytest
+import torch
+
+from hyscale_hf.kernels import hytopk
+from tests.support.hytopk_cases import int_inputs
+from tests.support.topk_cases import brute_force_topk
+
+triton = pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["torch", "triton"]
+INF = float("inf")
+
+
+def both(q, k, w, topk, backend, **kw):
+    return hytopk(q, k, w, topk, return_scores=True, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B,S,T", [(0, 4, 8), (1, 0, 8), (1, 0, 0), (0, 0, 0), (2, 0, 3)])
+def test_empty_batch_queries_or_keys_return_empty_outputs(backend, B, S, T):
+    q, k, w = int_inputs(B, S, T, 2, 16, device=DEV)
+    idx, sc = both(q, k, w, 5, backend)
+    assert idx.shape == sc.shape == (B, S, 5) and idx.dtype == torch.int32 and sc.dtype == torch.float32
+    assert idx.device == q.device
+    assert hytopk(q, k, w, 5, backend=backend).shape == (B, S, 5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_heads_or_zero_width_heads_are_value_errors(backend):
+    q, k, w = int_inputs(1, 4, 6, 2, 16, device=DEV)
+    with pytest.raises(ValueError, match=r"q must have H >= 1 heads"):
+        hytopk(q[:, :, :0], k, w[..., :0], 3, backend=backend)
+    with pytest.raises(ValueError, match=r"q must have D >= 1"):
+        hytopk(q[..., :0], k[..., :0], w, 3, backend=backend)
+
+
+WINDOW_STARTS = {  # B = 2, S = 6, T = 9: query i sits at key position 3 + i
+    "all-past-T": [12, 10],  # every window starts past every query (12 > T): no key anywhere
+    "some-past-B": [12, 4],
+    "some-past-BS": [[0, 12, 5, 9, 100, 2], [9, 9, 9, 9, 9, 9]],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(WINDOW_STARTS))
+def test_window_start_past_the_query_leaves_the_row_empty(backend, case):
+    # window_start > T - S + i (even > T) means no visible key: the row is all -1 / -inf.
+    B, S, T = 2, 6, 9
+    q, k, w = int_inputs(B, S, T, 2, 16, device=DEV, seed=3)
+    ws = torch.tensor(WINDOW_STARTS[case]).to(DEV)
+    idx, sc = both(q, k, w, 4, backend, window_start=ws)
+    scores = torch.einsum("bshd,btd->bsht", q.float(), k.float()).clamp_min(0).mul(w[..., None]).sum(2).cpu()
+    start = (ws[:, None].expand(B, S) if ws.dim() == 1 else ws).cpu()
+    for b in range(B):
+        for i in range(S):
+            vis = [int(start[b, i]) <= s <= T - S + i for s in range(T)]
+            assert idx[b, i].tolist() == brute_force_topk(scores[b, i].tolist(), vis, 4), (b, i)
+    empty = idx.cpu() < 0
+    assert bool((sc.cpu()[empty] == -INF).all())
+    assert bool(empty[0].all()) or case == "some-past-BS"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topk", [2**31, 2**40])
+def test_topk_beyond_int32_is_refused_before_any_allocation(backend, topk):
+    q, k, w = int_inputs(1, 4, 6, 2, 16, device=DEV)
+    with pytest.raises(ValueError, match=r"topk must be <= 2\*\*31 - 1"):
+        hytopk(q, k, w, topk, backend=backend)
+
+
+def test_more_keys_than_int32_indices_hold_is_refused():
+    # meta tensors: the check reads shapes only, so it can be tested without 2**31 keys of memory
+    q = torch.empty(1, 1, 1, 1, device="meta")
+    k = torch.empty(1, 2**31 + 1, 1, device="meta")
+    w = torch.empty(1, 1, 1, device="meta")
+    with pytest.raises(ValueError, match=r"k must have T <= 2\*\*31 keys"):
+        hytopk(q, k, w, 4)
+
+
+def test_meta_inputs_with_cu_seqlens_give_meta_outputs():
+    q = torch.empty(1, 6, 2, 8, device="meta")
+    k = torch.empty(1, 6, 8, device="meta")
+    w = torch.empty(1, 6, 2, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    idx = hytopk(q, k, w, 3, cu_seqlens=cu)
+    assert idx.device.type == "meta" and idx.shape == (1, 6, 3)
