@@ -112,8 +112,14 @@ def _interpreting(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def padded_heads(H: int) -> int:
+    """Heads the scan's columns hold: a power of two >= 2. Its column order pairs heads two by two
+    (``hytopk_scan_kernel``), so one head is padded with a second of zero weight (masked out)."""
+    return max(2, triton.next_power_of_2(H))
+
+
 def pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> HyTopKConfig:
-    hp = triton.next_power_of_2(H)
+    hp = padded_heads(H)
     if _interpreting(device):  # tiny tiles: the interpreter runs every op in numpy
         return HyTopKConfig(BQ=max(2, 32 // hp), BN=16, num_warps=4, num_stages=1, CH=64)
     if dtype == torch.float32:  # ieee fp32 dot (exact products): no tensor-core speed anyway
@@ -266,7 +272,7 @@ def hytopk_triton(
         q, k = q.float(), k.float()
     cfg = config or pick_config(H, D, q.dtype, q.device)
     interp = _interpreting(q.device)
-    HP, DP = triton.next_power_of_2(H), max(16, triton.next_power_of_2(D))
+    HP, DP = padded_heads(H), max(16, triton.next_power_of_2(D))
     BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
     use_gluon = _gluon_scan_applies(q, k, cfg, interp, cu_seqlens)

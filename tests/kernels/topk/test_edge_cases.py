@@ -1,12 +1,13 @@
 """hytopk on degenerate and extreme inputs, on both backends (the Triton kernels under Triton's CPU
-interpreter when there is no GPU): empty batches, windows past the query, topk out of
+interpreter when there is no GPU): one head, empty batches, windows past the query, topk out of
 range (docs/design.md section 4)."""
 
 import pytest
 import torch
 
 from hyscale_hf.kernels import hytopk
-from tests.support.hytopk_cases import int_inputs
+from hyscale_hf.kernels.topk.naive import hytopk_reference
+from tests.support.hytopk_cases import assert_same, int_inputs
 from tests.support.topk_cases import brute_force_topk
 
 triton = pytest.importorskip("triton")
@@ -17,6 +18,15 @@ INF = float("inf")
 
 def both(q, k, w, topk, backend, **kw):
     return hytopk(q, k, w, topk, return_scores=True, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,topk", [(5, 3), (40, 7)])
+def test_one_indexer_head_matches_the_reference(backend, T, topk):
+    # The scan pairs heads two by two (columns 2j, 2j + 1 of a query); one head is padded with a
+    # zero-weight second head, which must not change a single bit.
+    q, k, w = int_inputs(2, T, T, 1, 16, device=DEV, seed=T)
+    assert_same(both(q, k, w, topk, backend), hytopk_reference(q, k, w, topk), "H = 1")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
