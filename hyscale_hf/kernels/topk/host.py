@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..windows import query_windows
-from .naive import hytopk_reference
+from .naive import NAN_MESSAGE, hytopk_reference
 
 try:  # Triton is optional (CPU-only installs on other platforms); the torch path always works.
     import triton
@@ -416,5 +416,5 @@ def hytopk_triton(
     _STATS["calls"] += 1
     _STATS["rows"] += B * S
     if check_nan and bool(torch.stack([ls.nan_any for ls in lane_state]).any()):  # one host sync
-        raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
+        raise ValueError(NAN_MESSAGE)
     return indices, scores

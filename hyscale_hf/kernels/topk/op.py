@@ -85,8 +85,14 @@ def hytopk(
     (``cu_seqlens``) or ``window_start`` (e.g. the first non-pad key), else 0.
 
     Selection rule (unique set): score descending, then key index ascending; ``-0.0`` equals
-    ``+0.0``; NaN ranks below ``-inf`` (or raises with ``check_nan=True``); invisible keys are
-    never selected.
+    ``+0.0``; invisible keys are never selected. Non-finite scores: a score is NaN when any
+    head's dot product ``q . k`` is not finite (an fp32 overflow or a NaN/inf input; also where
+    ReLU would clip a ``-inf`` to 0) or the weighted head sum is not finite. NaN scores rank
+    below every finite score (among themselves by key index), are returned as NaN, and raise
+    ``ValueError`` with ``check_nan=True``. Both backends follow this rule. (An overflow shows as
+    inf or NaN depending on the summation order, hence one class for both; only a dot product
+    whose partial sums leave the fp32 range while its total would not can still overflow in one
+    summation order and not in another.)
 
     Args:
         q: indexer queries ``[B, S, H, D]``, bf16/fp16/fp32.
@@ -100,7 +106,8 @@ def hytopk(
             that query no visible key: its row is all ``-1``.
         relu: apply ReLU to each head's logit (family-specific; default on).
         return_scores: also return the fp32 scores of the selected keys.
-        check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
+        check_nan: raise ``ValueError`` if a visible key scores NaN, i.e. is not finite (the
+            Triton path then syncs).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
             kernel never writes the score table: extra memory is the outputs plus a candidate
             scratch of about ``host.SCRATCH_BYTES`` (1 GiB), reused over query chunks, and the final

@@ -1,6 +1,6 @@
 """hytopk on degenerate and extreme inputs, on both backends (the Triton kernels under Triton's CPU
-interpreter when there is no GPU): one head, empty batches, windows past the query, topk out of
-range (docs/design.md section 4)."""
+interpreter when there is no GPU): one head, empty batches, windows past the query, non-finite
+scores, topk out of range (docs/design.md sections 2 and 4)."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from tests.support.topk_cases import brute_force_topk
 triton = pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton"]
-INF = float("inf")
+NAN, INF = float("nan"), float("inf")
 
 
 def both(q, k, w, topk, backend, **kw):
@@ -72,6 +72,58 @@ def test_window_start_past_the_query_leaves_the_row_empty(backend, case):
     empty = idx.cpu() < 0
     assert bool((sc.cpu()[empty] == -INF).all())
     assert bool(empty[0].all()) or case == "some-past-BS"
+
+
+def overflow_inputs(dtype):
+    """Key 0's dot product overflows fp32 in the middle of its sum (8 products of 9e38, then 8 of
+    -9e38): summed in one order it is inf, in another NaN (or finite). Key 1 scores 9.6e20, key 2 0."""
+    q = torch.full((1, 2, 2, 16), 3e19)
+    k = torch.ones(1, 3, 16)
+    k[0, 0, :8], k[0, 0, 8:] = 3e19, -3e19
+    k[0, 2] = 0.0
+    return q.to(dtype).to(DEV), k.to(dtype).to(DEV), torch.ones(1, 2, 2, device=DEV)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dot_product_that_overflows_scores_nan_and_ranks_last(backend, dtype):
+    q, k, w = overflow_inputs(dtype)
+    idx, sc = both(q, k, w, 2, backend)
+    assert idx[0, 1].tolist() == [1, 2]  # finite scores (9.6e20 and 0) first; the overflow below them
+    idx, sc = both(q, k, w, 3, backend)
+    assert idx[0, 1].tolist() == [0, 1, 2] and torch.isnan(sc[0, 1, 0])
+    assert 9e20 < sc[0, 1, 1] < 1e21 and sc[0, 1, 2] == 0
+    with pytest.raises(ValueError, match="non-finite"):
+        hytopk(q, k, w, 2, check_nan=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("relu", [True, False])
+def test_infinite_scores_and_inputs_rank_like_nan(backend, relu):
+    # +inf / -inf scores, a head whose dot is -inf (which ReLU would clip to 0), inf * 0 in w:
+    # every non-finite head logit or score counts as NaN: below every finite score, lower index first.
+    D = 16
+    q = torch.ones(1, 1, 2, D)
+    k = torch.zeros(1, 7, D)
+    k[0, 0, 0] = INF  # dot +inf in both heads
+    k[0, 1, 0] = -INF  # dot -inf in both heads (ReLU would make it 0)
+    k[0, 2, 0] = 2.0  # finite: 2 * (w0 + w1)
+    k[0, 3, 0] = NAN
+    k[0, 4, 0] = 1e30  # 1e30 * w = 1.5e30: finite
+    k[0, 5, 0] = -1.0  # relu: 0, else negative
+    k[0, 6, 0] = 3e38
+    k[0, 6, 1] = 3e38  # 6e38: overflows the dot
+    w = torch.tensor([[[1.0, 0.5]]])
+    q, k, w = q.to(DEV), k.to(DEV), w.to(DEV)
+    idx, sc = both(q, k, w, 7, backend, relu=relu)
+    assert idx[0, 0].tolist() == list(range(7)) and int(torch.isnan(sc).sum()) == 4
+    # finite scores 1.5e30 (key 4), 3 (key 2), 0 or -1.5 (key 5) come before every non-finite one
+    idx3, sc3 = both(q, k, w, 3, backend, relu=relu)
+    assert idx3[0, 0].tolist() == [2, 4, 5]
+    assert bool(torch.isfinite(sc3).all())
+    # the NaN class: returned as NaN, chosen by lowest index
+    idx4, sc4 = both(q, k, w, 4, backend, relu=relu)
+    assert idx4[0, 0].tolist() == [0, 2, 4, 5] and torch.isnan(sc4[0, 0, 0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
