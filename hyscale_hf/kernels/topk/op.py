@@ -61,6 +61,21 @@ def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend, return_
     return q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, n_scores, dtype=torch.float32)
 
 
+def _setup_context(ctx, inputs, output):
+    # A selection is not differentiable and the scores are a by-product to inspect; the indexer
+    # learns from indexer_kl_loss (docs/design.md section 2). Without this registration the
+    # outputs of a call on inputs that need grad claimed requires_grad and failed in backward
+    # ("no autograd formula was registered").
+    ctx.mark_non_differentiable(*output)
+
+
+def _backward(ctx, d_indices, d_scores):  # never called: both outputs are non-differentiable
+    return (None,) * 10
+
+
+hytopk_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 # ----------------------------------------------------------------------------- public function
 
 
@@ -128,8 +143,9 @@ def hytopk(
         with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
         (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
         continuous inputs the Triton scores can differ from the reference's in the last bits
-        because the head sum runs in another order). Empty inputs (``B``, ``S`` or ``T`` = 0)
-        give outputs of that shape (``T = 0``: all ``-1``).
+        because the head sum runs in another order). Neither output carries a gradient (the
+        scores are not differentiable; the indexer trains through ``indexer_kl_loss``). Empty
+        inputs (``B``, ``S`` or ``T`` = 0) give outputs of that shape (``T = 0``: all ``-1``).
     """
     check_tensor("q", q, 4, "[B, S, H, D]")
     B, S, H, D = q.shape

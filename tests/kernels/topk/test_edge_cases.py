@@ -1,6 +1,6 @@
 """hytopk on degenerate and extreme inputs, on both backends (the Triton kernels under Triton's CPU
 interpreter when there is no GPU): one head, empty batches, windows past the query, non-finite
-scores, topk out of range (docs/design.md sections 2 and 4)."""
+scores, topk out of range, gradients of the returned scores (docs/design.md sections 2 and 4)."""
 
 import pytest
 import torch
@@ -124,6 +124,19 @@ def test_infinite_scores_and_inputs_rank_like_nan(backend, relu):
     # the NaN class: returned as NaN, chosen by lowest index
     idx4, sc4 = both(q, k, w, 4, backend, relu=relu)
     assert idx4[0, 0].tolist() == [0, 2, 4, 5] and torch.isnan(sc4[0, 0, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_returned_scores_carry_no_gradient(backend):
+    q, k, w = int_inputs(1, 6, 6, 2, 16, device=DEV, dtype=torch.float32)
+    q.requires_grad_()
+    k.requires_grad_()
+    w.requires_grad_()
+    idx, sc = both(q, k, w, 3, backend)
+    assert not idx.requires_grad and not sc.requires_grad
+    loss = sc.clamp_min(0).sum() + (q.sum() + k.sum() + w.sum())  # a graph that also holds the scores
+    loss.backward()
+    assert torch.equal(q.grad, torch.ones_like(q))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
