@@ -6,9 +6,19 @@ the design); the torch path: ``naive.sparse_attention_reference`` (autograd thro
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-from ..checks import check_dim, check_indices, check_same_device, check_tensor, resolve_backend
+from ..checks import (
+    check_dim,
+    check_indices,
+    check_num_keys,
+    check_same_device,
+    check_tensor,
+    resolve_backend,
+)
 from .host import (
     HAS_TRITON,
     KeyLists,
@@ -52,8 +62,6 @@ def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False
     )
 
 
-
-
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,6 +103,10 @@ def sparse_attention(
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
+        Empty inputs (``B``, ``S`` or ``T`` = 0) are fine: ``T = 0`` means every index is ``-1``,
+        so ``o = 0`` and ``lse = -inf``. Zero heads or zero-width heads are a ``ValueError``.
+        Validation reads index values once (one host sync, for the range check) and never on
+        meta or fake tensors, which are checked by shape only.
     """
     check_tensor("q", q, 4, "[B, S, Hq, Dqk]")
     B, S, Hq, Dqk = q.shape
@@ -103,18 +115,30 @@ def sparse_attention(
     check_dim("k", k, 0, B, kdoc)
     check_dim("k", k, 3, Dqk, kdoc)
     T, Hkv = k.shape[1], k.shape[2]
+    if Hq < 1:
+        raise ValueError(f"q must have Hq >= 1 heads (shape [B, S, Hq, Dqk]), got shape {tuple(q.shape)}")
+    if Dqk < 1:
+        raise ValueError(f"q must have Dqk >= 1 dims per head (shape [B, S, Hq, Dqk]), got shape {tuple(q.shape)}")
+    check_num_keys("k", T)
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q has Hq = {Hq} heads, not a multiple of k's Hkv = {Hkv} heads")
     vdoc = f"[B={B}, T={T}, Hkv={Hkv}, Dv]"
     check_tensor("v", v, 4, vdoc)
     for dim, size in ((0, B), (1, T), (2, Hkv)):
         check_dim("v", v, dim, size, vdoc)
+    Dv = v.shape[3]
+    if Dv < 1:
+        raise ValueError(f"v must have Dv >= 1 dims per head (shape {vdoc}), got shape {tuple(v.shape)}")
     check_same_device(q=q, k=k, v=v, indices=indices)
     check_indices(indices, B, S, T)
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
     if scale is None:
         scale = Dqk**-0.5
+    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     unsupported = triton_unsupported_reason(q, k, v) if HAS_TRITON else "no Triton"
     if backend == "auto" and unsupported is not None:
         backend = "torch"
