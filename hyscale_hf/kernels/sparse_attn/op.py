@@ -10,6 +10,7 @@ import math
 import numbers
 
 import torch
+import torch.nn.functional as F
 
 from ..checks import (
     check_dim,
@@ -23,10 +24,11 @@ from .host import (
     HAS_TRITON,
     KeyLists,
     SparseAttentionConfig,
+    padded_head_dims,
     resolve_config,
     sparse_attention_bwd,
     sparse_attention_fwd,
-    triton_unsupported_reason,
+    triton_dtype_reason,
     v_grad_flows_into_k,
 )
 from .naive import sparse_attention_reference
@@ -62,6 +64,11 @@ def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False
     )
 
 
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x zero-padded to ``width`` in its last dim (differentiable: the gradient is sliced back)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,9 +98,12 @@ def sparse_attention(
         return_lse: also return the fp32 log-sum-exp ``[B, S, Hq]`` (``-inf`` for a query with no
             selected key, whose output is 0). The lse is differentiable too.
         backend: ``"auto"`` | ``"torch"`` | ``"triton"``. The Triton kernel takes q, k, v of one
-            dtype (fp16/bf16/fp32), ``Dv`` a power of two >= 16 and ``Dqk`` a power of two >= 16
-            plus an optional power-of-two tail >= 16 (576 = 512 + 64); ``"auto"`` uses the
-            reference for anything else.
+            dtype (fp16/bf16/fp32) and every head dim: it tiles ``Dv`` a power of two >= 16 and
+            ``Dqk`` a power of two >= 16 plus an optional power-of-two tail >= 16 (80 = 64 + 16,
+            576 = 512 + 64), and other widths are zero-padded to the next such one
+            (``host.padded_head_dims``: Dqk 24 -> 32, 112 -> 128; Dv 8 -> 16, 80/96/112 -> 128;
+            padded copies of q, k, v then live for the backward, and the output is sliced back).
+            ``"auto"`` uses the reference only for fp64 or mixed dtypes (and off CUDA).
         deterministic: Triton backward only. ``False``: dK/dV accumulate with fp32 atomics (fastest;
             the summation order, hence the last bits, vary between runs). ``True``: an ordered,
             atomic-free accumulation through a scratch buffer (bit-reproducible, slower). ``None``
@@ -139,7 +149,7 @@ def sparse_attention(
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    unsupported = triton_unsupported_reason(q, k, v) if HAS_TRITON else "no Triton"
+    unsupported = triton_dtype_reason(q, k, v) if HAS_TRITON else "no Triton"
     if backend == "auto" and unsupported is not None:
         backend = "torch"
     chosen = resolve_backend(backend, q.device, HAS_TRITON)
@@ -148,7 +158,16 @@ def sparse_attention(
             raise ValueError(f"backend='triton' cannot take these inputs: {unsupported}")
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
-        o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
+        # Head dims the kernels do not tile are zero-padded: zero columns of q and k add nothing
+        # to a logit, zero columns of v give output columns that are sliced off.
+        dqk_p, dv_p = padded_head_dims(Dqk, Dv)
+        if (dqk_p, dv_p) == (Dqk, Dv):
+            o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
+        else:
+            q_p, k_p, v_p = _pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p)
+            o, lse = triton_sparse_attention(q_p, k_p, v_p, indices, scale, deterministic=deterministic, config=config)
+            if dv_p != Dv:
+                o = o[..., :Dv].contiguous()  # a tensor of its own, like the unpadded path's
     else:
         o, lse = sparse_attention_reference(q, k, v, indices, scale)
     return (o, lse) if return_lse else o

@@ -1,12 +1,13 @@
 """sparse_attention on degenerate inputs, on both backends (the Triton kernels under Triton's CPU
-interpreter when there is no GPU): empty batches, queries or keys, meta tensors, zero sizes
-(docs/design.md section 4)."""
+interpreter when there is no GPU): empty batches, queries or keys, meta tensors, head dims the
+kernels do not tile natively (padded), zero sizes (docs/design.md section 4)."""
 
 import pytest
 import torch
 
 from hyscale_hf import sparse_attention
-from hyscale_hf.kernels.sparse_attn import host
+from hyscale_hf.kernels.sparse_attn import host, op
+from hyscale_hf.kernels.sparse_attn.naive import sparse_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not host.HAS_TRITON, reason="needs triton"))]
@@ -79,6 +80,60 @@ def test_triton_backend_on_meta_tensors_is_a_clear_value_error():
     idx = torch.empty(1, 2, 3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="backend='triton' cannot run on meta"):
         sparse_attention(q, q, q, idx, backend="triton")
+
+
+HEAD_DIMS = [(24, 16), (16, 8), (80, 80), (96, 96), (112, 112), (8, 40), (1, 3), (40, 24)]
+
+
+@pytest.mark.skipif(not host.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("Dqk,Dv", HEAD_DIMS, ids=[f"{a}x{b}" for a, b in HEAD_DIMS])
+def test_triton_takes_every_head_dim_by_zero_padding(Dqk, Dv):
+    # Dqk 24 -> 32, Dv 8 -> 16, 80 = 64 + 16 (native) with Dv 80 -> 128, 112 -> 128, ...
+    q, k, v, idx = make(1, 5, 9, 4, 2, Dqk, Dv, K=6, seed=Dqk)
+    o, lse, grads = run("triton", q, k, v, idx)
+    o_ref, lse_ref, grads_ref = run("torch", q, k, v, idx)
+    assert o.shape == (1, 5, 4, Dv)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not host.HAS_TRITON, reason="needs triton")
+def test_padded_head_dims_with_v_a_view_of_k():
+    # MLA-like v = k[..., :Dv] with a key width the kernels cannot tile (40 = 32 + 8): both pads
+    # are new tensors, and autograd adds both gradients back into k.
+    q, k, v, idx = make(1, 6, 10, 4, 1, 40, 24, K=7, v_view=True)
+    o, lse, grads = run("triton", q, k, v, idx)
+    o_ref, lse_ref, grads_ref = run("torch", q, k, v, idx)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "Dqk,Dv,padded",
+    [(16, 16, (16, 16)), (24, 8, (32, 16)), (80, 80, (80, 128)), (96, 96, (96, 128)), (112, 112, (128, 128)),
+     (576, 512, (576, 512)), (200, 100, (256, 128)), (1, 1, (16, 16))],
+)
+def test_padded_head_dims(Dqk, Dv, padded):
+    assert host.padded_head_dims(Dqk, Dv) == padded
+    assert host._split_key_dim(padded[0])[0] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [80, 96, 112, 24])
+def test_auto_takes_the_triton_path_for_common_head_dims_on_cuda(D, monkeypatch):
+    calls = []
+    real = op.triton_sparse_attention
+    monkeypatch.setattr(op, "triton_sparse_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 64, h, D, generator=g, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    idx = torch.randint(-1, 64, (1, 64, 16), generator=g, device="cuda", dtype=torch.int32)
+    o = sparse_attention(q, k, v, idx)  # backend="auto"
+    assert calls == [1]
+    ref, _ = sparse_attention_reference(q.float(), k.float(), v.float(), idx, D**-0.5)
+    torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
