@@ -113,6 +113,10 @@ def sparse_attention(
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
+        Non-finite logits, per (query, head): a NaN or ``+inf`` among the selected ones gives
+        ``o = NaN`` and ``lse = NaN``; only ``-inf`` logits count as no key (``o = 0``,
+        ``lse = -inf``). A NaN/inf value of a key reaches only the queries that select it, except
+        on the Triton path's GQA query tiles, where it turns the tile's other queries NaN too.
         Empty inputs (``B``, ``S`` or ``T`` = 0) are fine: ``T = 0`` means every index is ``-1``,
         so ``o = 0`` and ``lse = -inf``. Zero heads or zero-width heads are a ``ValueError``.
         Validation reads index values once (one host sync, for the range check) and never on

@@ -136,6 +136,42 @@ def test_auto_takes_the_triton_path_for_common_head_dims_on_cuda(D, monkeypatch)
     torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "k0,k1,o_want,lse_want",
+    [(NAN, 1.0, NAN, NAN), (INF, 1.0, NAN, NAN), (INF, INF, NAN, NAN), (-INF, 1.0, 1.0, 4.0), (-INF, -INF, 0.0, -INF)],
+    ids=["nan", "inf", "inf-inf", "one-minus-inf", "all-minus-inf"],
+)
+def test_non_finite_logits_follow_one_rule(backend, k0, k1, o_want, lse_want):
+    # NaN or +inf among a query's logits: o and lse NaN (the kernels said lse = -inf, "no key");
+    # only -inf logits: a query without keys, o = 0 and lse = -inf (the reference said o = NaN)
+    q = torch.ones(1, 1, 1, 16, device=DEVICE)
+    k = torch.ones(1, 2, 1, 16, device=DEVICE)
+    k[0, 0, 0, 0], k[0, 1, 0, 0] = k0, k1  # logits (15 + k) / 4
+    v = torch.ones(1, 2, 1, 16, device=DEVICE)
+    idx = torch.tensor([[[0, 1]]], dtype=torch.int32, device=DEVICE)
+    o, lse = sparse_attention(q, k, v, idx, return_lse=True, backend=backend)
+    torch.testing.assert_close(o.cpu(), torch.full((1, 1, 1, 16), o_want), equal_nan=True)
+    torch.testing.assert_close(lse.cpu(), torch.full((1, 1, 1), lse_want), equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_values_of_keys_a_query_skips_never_reach_it(backend):
+    # -1 slots: the reference gathered key row 0 as a stand-in and 0 * NaN leaked into o
+    q, k, v, _ = make(1, 3, 4, 2, 1, 16, 16, K=3)
+    v = v.detach().clone()
+    k = k.detach().clone()
+    v[0, 0, 0, 3] = NAN
+    k[0, 0, 0, 5] = INF
+    idx = torch.tensor([[[1, -1, 2], [-1, -1, -1], [3, 3, -1]]], dtype=torch.int32, device=DEVICE)
+    o, lse = sparse_attention(q.detach(), k, v, idx, return_lse=True, backend=backend)
+    assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(lse[0, [0, 2]]).all())
+    assert bool((o[0, 1] == 0).all()) and bool((lse[0, 1] == -INF).all())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_heads_or_zero_head_dims_are_value_errors(backend):
     q, k, v, idx = make(1, 3, 5, 4, 2, 16, 16, K=2)
