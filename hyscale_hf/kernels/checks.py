@@ -7,6 +7,20 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Indices are int32 and the kernels take sizes as int32: K and T beyond this cannot be represented.
+INT32_MAX = 2**31 - 1
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements can be read: not a meta tensor, nor a fake one (shape propagation,
+    torch.compile). Checks of values skip tensors without them; shapes are still checked."""
+    if t.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover
+        return True
+    return not is_fake(t)
 
 
 def check_tensor(name: str, x, rank: int, shape_doc: str, dtypes=FLOAT_DTYPES) -> None:
@@ -40,6 +54,14 @@ def check_topk(topk) -> None:
         raise TypeError(f"topk must be an int, got {type(topk).__name__}")
     if topk <= 0:
         raise ValueError(f"topk must be > 0, got {topk}")
+    if topk > INT32_MAX:  # refused here, before an output of [B, S, topk] is allocated
+        raise ValueError(f"topk must be <= 2**31 - 1 (indices and the kernels' sizes are int32), got {topk}")
+
+
+def check_num_keys(name: str, num_keys: int) -> None:
+    """T keys: int32 indices address at most 2**31 of them."""
+    if num_keys > INT32_MAX + 1:
+        raise ValueError(f"{name} must have T <= 2**31 keys (indices are int32), got T = {num_keys}")
 
 
 def check_indices(indices, batch: int, queries: int, num_keys: int, check_range: bool = True) -> None:
@@ -50,7 +72,9 @@ def check_indices(indices, batch: int, queries: int, num_keys: int, check_range:
     check_dim("indices", indices, 1, queries, doc)
     if indices.shape[2] <= 0:
         raise ValueError(f"indices must have K > 0 entries per query, got shape {tuple(indices.shape)}")
-    if check_range and indices.numel():
+    if check_range and indices.numel() and has_values(indices):
+        # One host sync. Out-of-range indices would make the kernels read outside k and v, so this
+        # check stays; meta and fake tensors (shape propagation) have no values to read.
         lo, hi = torch.stack(torch.aminmax(indices)).tolist()  # one host sync, not two
         if lo < -1 or hi >= num_keys:
             raise ValueError(
@@ -69,6 +93,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, queries: int, num_keys: int, device
         raise ValueError(f"cu_seqlens needs S == T (queries are the packed keys), got S = {queries}, T = {num_keys}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+    if not has_values(cu_seqlens):
+        return
     c = cu_seqlens.tolist()
     if len(c) < 2 or c[0] != 0 or c[-1] != num_keys or any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T = {num_keys} (non-decreasing), got {c}")

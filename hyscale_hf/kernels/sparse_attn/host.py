@@ -149,12 +149,37 @@ def _gluon_mla_forward_applies(
     )
 
 
-def triton_unsupported_reason(q, k, v) -> str | None:
-    """Why the Triton kernel cannot take these inputs (None if it can)."""
+def triton_dtype_reason(q, k, v) -> str | None:
+    """Why the Triton kernel cannot take these dtypes (None if it can)."""
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one dtype for the Triton kernel, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the Triton kernel takes float16/bfloat16/float32, got {q.dtype}"
+    return None
+
+
+def padded_head_dims(dqk: int, dv: int) -> tuple[int, int]:
+    """The smallest head dims >= (dqk, dv) the kernels tile: a key width that is a power of two
+    >= 16, or one plus a power-of-two tail >= 16 (80 = 64 + 16, 576 = 512 + 64; 112 -> 128,
+    24 -> 32), and a value width that is a power of two >= 16 (80, 96, 112 -> 128).
+
+    ``sparse_attention`` zero-pads q, k (and v) to these widths for the Triton path: zero columns
+    add nothing to a dot product, and the padded output columns are sliced off.
+    """
+    if dqk <= 16:
+        dqk_p = 16
+    else:
+        d1 = 1 << (dqk.bit_length() - 1)
+        rest = dqk - d1
+        dqk_p = d1 + (max(16, _next_pow2(rest)) if rest else 0)  # a tail of d1 makes 2 * d1: a power of two
+    return dqk_p, max(16, _next_pow2(dv))
+
+
+def triton_unsupported_reason(q, k, v) -> str | None:
+    """Why the Triton kernel cannot take these inputs as they are (None if it can)."""
+    reason = triton_dtype_reason(q, k, v)
+    if reason is not None:
+        return reason
     dqk, dv = q.shape[-1], v.shape[-1]
     d1, _ = _split_key_dim(dqk)
     if d1 == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import has_values
 from ..windows import compute_dtype
 
 # Bound on the [B, Hq, S, T] probabilities autograd keeps for backward (fp32 bytes).
@@ -28,11 +29,24 @@ CHUNK_BYTES = 64 * 2**20
 MAX_KEYS_PER_SELECTED = 32
 
 
-def fits(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor) -> bool:
-    """Whether this path is the cheaper torch path for these inputs (and its memory is small)."""
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> bool:
+    """Whether this path is the cheaper torch path for these inputs (and its memory is small).
+
+    Only for finite inputs on a real device, outside ``torch.compile``: an unselected key still enters
+    the matmuls here (with weight 0), so a NaN or inf in its row would reach every query, where the
+    op's contract (``docs/design.md``, sparse attention) says a query never sees keys it does not
+    select; the reference gathers only the selected rows. The check is one pass over q, k and v,
+    small next to the ``S x T`` matmuls, and a host sync, which costs nothing on a CPU.
+    """
     B, S, Hq, _ = q.shape
     T, K = k.shape[1], indices.shape[-1]
-    return 4 * B * Hq * S * T <= MAX_SCORE_BYTES and T <= MAX_KEYS_PER_SELECTED * max(1, K)
+    if 4 * B * Hq * S * T > MAX_SCORE_BYTES or T > MAX_KEYS_PER_SELECTED * max(1, K):
+        return False
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return False  # empty inputs: the reference's outputs keep their graph to q, k and v
+    if torch.compiler.is_compiling() or not all(has_values(x) for x in (q, k, v)):
+        return False  # shape propagation (meta, fake tensors) or tracing: no values to check
+    return all(bool(torch.isfinite(x).all()) for x in (q, k, v))
 
 
 def selection_bias(indices: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
@@ -54,8 +68,6 @@ def sparse_attention_masked_dense(q, k, v, indices, scale):
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
     dt = compute_dtype(q, k, v)
-    if S == 0 or T == 0:
-        return q.new_zeros(B, S, Hq, Dv), torch.full((B, S, Hq), float("-inf"), dtype=dt, device=q.device)
     kt = k.to(dt).permute(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, T]
     vt = v.to(dt).transpose(1, 2)[:, :, None]  # [B, Hkv, 1, T, Dv]
     chunk = max(1, CHUNK_BYTES // (4 * B * Hq * T))

@@ -121,9 +121,9 @@ def _softmax_partition(
         mbarrier.arrive(bars.index(_P_READY), count=1)
         m_i = m_new
     async_copy.wait_group(0)  # a row without keys never waited for q's copy: none may outlive the program
-    has_key = l_i > 0
-    l_safe = gl.where(has_key, l_i, 1.0)
-    lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    no_key = l_i == 0  # as in the Triton forward: a NaN l (NaN or +inf logits) gives a NaN lse
+    l_safe = gl.where(no_key, 1.0, l_i)
+    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     gl.store(lse_base + gl.arange(0, HEADS, layout=ROW) * s_lh, lse)
     l_smem.store(l_safe)
     _sync_partition()

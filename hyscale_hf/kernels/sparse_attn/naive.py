@@ -14,6 +14,8 @@ from .mla_query import absorbed_query
 
 def gather_keys(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """x [B, T, ...] gathered at indices [B, S, K] (-1 -> row 0, masked later) -> [B, S, K, ...]."""
+    if x.shape[1] == 0:  # no keys (every index is -1): gather from one zero row, still in the graph
+        x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
     b = torch.arange(x.shape[0], device=x.device)[:, None, None]
     return x[b, indices.clamp_min(0).long()]
 
@@ -25,21 +27,27 @@ def sparse_attention_reference(q, k, v, indices, scale):
     Returns o [B, S, Hq, Dv] (q's dtype; zeros for a query with no key) and lse [B, S, Hq] fp32
     (``-inf`` there). Differentiable in q, k, v through torch autograd.
     """
-    B, S, Hq, _ = q.shape
+    B, S, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[-1]
     G = Hq // Hkv
     dt = compute_dtype(q, k, v)
     valid = indices >= 0  # [B, S, K]
     kg = gather_keys(k, indices).to(dt)  # [B, S, K, Hkv, D]
     vg = gather_keys(v, indices).to(dt)
-    qg = q.to(dt).view(B, S, Hkv, G, -1)
+    # -1 slots gathered row 0 as a stand-in; its p is 0, but 0 * NaN (or inf) in that row would
+    # still reach o, so the stand-in values are zeroed (the kernels never load them)
+    vg = torch.where(valid[..., None, None], vg, 0.0)
+    qg = q.to(dt).reshape(B, S, Hkv, G, Dqk)  # sizes spelled out: -1 is ambiguous with 0 elements
     logits = torch.einsum("bshgd,bskhd->bshgk", qg, kg) * scale
     logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
-    any_valid = valid.any(-1)[:, :, None, None]
-    p = torch.exp(logits - torch.where(any_valid, lse, torch.zeros_like(lse))[..., None])
+    # Non-finite logits (docs/design.md section 4): no key, or only -inf logits, is a row without
+    # keys (p = 0: o = 0, lse = -inf); a NaN or +inf logit makes o and lse NaN (logsumexp would
+    # give +inf for +inf: NaN is what the kernels' online softmax yields).
+    no_key = lse == float("-inf")
+    p = torch.exp(logits - torch.where(no_key, torch.zeros_like(lse), lse)[..., None])
     o = torch.einsum("bshgk,bskhd->bshgd", p, vg)
-    lse = lse.masked_fill(~any_valid, float("-inf"))
+    lse = torch.where(lse == float("inf"), float("nan"), lse)
     return o.reshape(B, S, Hq, Dv).to(q.dtype), lse.reshape(B, S, Hq).to(torch.float32 if dt != torch.float64 else dt)
 
 

@@ -7,17 +7,29 @@ where the key range is short, else ``naive.sparse_attention_reference`` (autogra
 
 from __future__ import annotations
 
-import torch
+import math
+import numbers
 
-from ..checks import check_dim, check_indices, check_same_device, check_tensor, resolve_backend
+import torch
+import torch.nn.functional as F
+
+from ..checks import (
+    check_dim,
+    check_indices,
+    check_num_keys,
+    check_same_device,
+    check_tensor,
+    resolve_backend,
+)
 from .host import (
     HAS_TRITON,
     KeyLists,
     SparseAttentionConfig,
+    padded_head_dims,
     resolve_config,
     sparse_attention_bwd,
     sparse_attention_fwd,
-    triton_unsupported_reason,
+    triton_dtype_reason,
     v_grad_flows_into_k,
 )
 from .masked_dense import fits as masked_dense_fits
@@ -55,6 +67,9 @@ def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False
     )
 
 
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x zero-padded to ``width`` in its last dim (differentiable: the gradient is sliced back)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def sparse_attention(
@@ -86,9 +101,12 @@ def sparse_attention(
         return_lse: also return the fp32 log-sum-exp ``[B, S, Hq]`` (``-inf`` for a query with no
             selected key, whose output is 0). The lse is differentiable too.
         backend: ``"auto"`` | ``"torch"`` | ``"triton"``. The Triton kernel takes q, k, v of one
-            dtype (fp16/bf16/fp32), ``Dv`` a power of two >= 16 and ``Dqk`` a power of two >= 16
-            plus an optional power-of-two tail >= 16 (576 = 512 + 64); ``"auto"`` uses the
-            reference for anything else.
+            dtype (fp16/bf16/fp32) and every head dim: it tiles ``Dv`` a power of two >= 16 and
+            ``Dqk`` a power of two >= 16 plus an optional power-of-two tail >= 16 (80 = 64 + 16,
+            576 = 512 + 64), and other widths are zero-padded to the next such one
+            (``host.padded_head_dims``: Dqk 24 -> 32, 112 -> 128; Dv 8 -> 16, 80/96/112 -> 128;
+            padded copies of q, k, v then live for the backward, and the output is sliced back).
+            ``"auto"`` uses the reference only for fp64 or mixed dtypes (and off CUDA).
         deterministic: Triton backward only. ``False``: dK/dV accumulate with fp32 atomics (fastest;
             the summation order, hence the last bits, vary between runs). ``True``: an ordered,
             atomic-free accumulation through a scratch buffer (bit-reproducible, slower). ``None``
@@ -98,6 +116,14 @@ def sparse_attention(
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
+        Non-finite logits, per (query, head): a NaN or ``+inf`` among the selected ones gives
+        ``o = NaN`` and ``lse = NaN``; only ``-inf`` logits count as no key (``o = 0``,
+        ``lse = -inf``). A NaN/inf value of a key reaches only the queries that select it, except
+        on the Triton path's GQA query tiles, where it turns the tile's other queries NaN too.
+        Empty inputs (``B``, ``S`` or ``T`` = 0) are fine: ``T = 0`` means every index is ``-1``,
+        so ``o = 0`` and ``lse = -inf``. Zero heads or zero-width heads are a ``ValueError``.
+        Validation reads index values once (one host sync, for the range check) and never on
+        meta or fake tensors, which are checked by shape only.
     """
     check_tensor("q", q, 4, "[B, S, Hq, Dqk]")
     B, S, Hq, Dqk = q.shape
@@ -106,19 +132,31 @@ def sparse_attention(
     check_dim("k", k, 0, B, kdoc)
     check_dim("k", k, 3, Dqk, kdoc)
     T, Hkv = k.shape[1], k.shape[2]
+    if Hq < 1:
+        raise ValueError(f"q must have Hq >= 1 heads (shape [B, S, Hq, Dqk]), got shape {tuple(q.shape)}")
+    if Dqk < 1:
+        raise ValueError(f"q must have Dqk >= 1 dims per head (shape [B, S, Hq, Dqk]), got shape {tuple(q.shape)}")
+    check_num_keys("k", T)
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q has Hq = {Hq} heads, not a multiple of k's Hkv = {Hkv} heads")
     vdoc = f"[B={B}, T={T}, Hkv={Hkv}, Dv]"
     check_tensor("v", v, 4, vdoc)
     for dim, size in ((0, B), (1, T), (2, Hkv)):
         check_dim("v", v, dim, size, vdoc)
+    Dv = v.shape[3]
+    if Dv < 1:
+        raise ValueError(f"v must have Dv >= 1 dims per head (shape {vdoc}), got shape {tuple(v.shape)}")
     check_same_device(q=q, k=k, v=v, indices=indices)
     check_indices(indices, B, S, T)
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
     if scale is None:
         scale = Dqk**-0.5
-    unsupported = triton_unsupported_reason(q, k, v) if HAS_TRITON else "no Triton"
+    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    unsupported = triton_dtype_reason(q, k, v) if HAS_TRITON else "no Triton"
     if backend == "auto" and unsupported is not None:
         backend = "torch"
     chosen = resolve_backend(backend, q.device, HAS_TRITON)
@@ -127,8 +165,17 @@ def sparse_attention(
             raise ValueError(f"backend='triton' cannot take these inputs: {unsupported}")
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
-        o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
-    elif masked_dense_fits(q, k, indices):  # short key ranges: matmuls over all keys beat per-query gathers
+        # Head dims the kernels do not tile are zero-padded: zero columns of q and k add nothing
+        # to a logit, zero columns of v give output columns that are sliced off.
+        dqk_p, dv_p = padded_head_dims(Dqk, Dv)
+        if (dqk_p, dv_p) == (Dqk, Dv):
+            o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
+        else:
+            q_p, k_p, v_p = _pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p)
+            o, lse = triton_sparse_attention(q_p, k_p, v_p, indices, scale, deterministic=deterministic, config=config)
+            if dv_p != Dv:
+                o = o[..., :Dv].contiguous()  # a tensor of its own, like the unpadded path's
+    elif masked_dense_fits(q, k, v, indices):  # short key ranges: matmuls over all keys beat per-query gathers
         o, lse = sparse_attention_masked_dense(q, k, v, indices, scale)
     else:
         o, lse = sparse_attention_reference(q, k, v, indices, scale)

@@ -218,10 +218,12 @@ def sparse_attn_fwd_kernel(
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
-    has_key = l_i > 0
-    l_safe = tl.where(has_key, l_i, 1.0)
+    # l = 0: no key, or only -inf logits (o = 0, lse = -inf). A NaN or +inf logit makes l NaN,
+    # and then lse is NaN too, not -inf (which would claim the row had no key): the reference's rule.
+    no_key = l_i == 0
+    l_safe = tl.where(no_key, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(no_key, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     o_rows = OUT + b * stride_ob + row_t * stride_os + row_h * stride_oh
     tl.store(o_rows[:, None] + offs_v[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=rmask[:, None])
     tl.store(LSE + b * stride_lb + row_t * stride_ls + row_h * stride_lh, lse, mask=rmask)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..windows import query_windows
-from .naive import hytopk_reference
+from .naive import NAN_MESSAGE, hytopk_reference
 
 try:  # Triton is optional (CPU-only installs on other platforms); the torch path always works.
     import triton
@@ -112,8 +112,14 @@ def _interpreting(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def padded_heads(H: int) -> int:
+    """Heads the scan's columns hold: a power of two >= 2. Its column order pairs heads two by two
+    (``hytopk_scan_kernel``), so one head is padded with a second of zero weight (masked out)."""
+    return max(2, triton.next_power_of_2(H))
+
+
 def pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> HyTopKConfig:
-    hp = triton.next_power_of_2(H)
+    hp = padded_heads(H)
     if _interpreting(device):  # tiny tiles: the interpreter runs every op in numpy
         return HyTopKConfig(BQ=max(2, 32 // hp), BN=16, num_warps=4, num_stages=1, CH=64)
     if dtype == torch.float32:  # ieee fp32 dot (exact products): no tensor-core speed anyway
@@ -250,6 +256,12 @@ def hytopk_triton(
     B, S, H, D = q.shape
     T = k.shape[1]
     K = min(topk, T)
+    if B * S == 0 and profile is None:  # nothing to score (T = 0 implies S = 0): no launch
+        n_out = topk if return_scores else 0
+        return (
+            torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device),
+            torch.full((B, S, n_out), float("-inf"), dtype=torch.float32, device=q.device),
+        )
     if torch.float64 in (q.dtype, k.dtype, w.dtype) or K > MAX_TRITON_TOPK:
         # fp64, or a K above MAX_TRITON_TOPK: the torch path gives the same exact answer.
         idx, sc = hytopk_reference(
@@ -260,7 +272,7 @@ def hytopk_triton(
         q, k = q.float(), k.float()
     cfg = config or pick_config(H, D, q.dtype, q.device)
     interp = _interpreting(q.device)
-    HP, DP = triton.next_power_of_2(H), max(16, triton.next_power_of_2(D))
+    HP, DP = padded_heads(H), max(16, triton.next_power_of_2(D))
     BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
     use_gluon = _gluon_scan_applies(q, k, cfg, interp, cu_seqlens)
@@ -404,5 +416,5 @@ def hytopk_triton(
     _STATS["calls"] += 1
     _STATS["rows"] += B * S
     if check_nan and bool(torch.stack([ls.nan_any for ls in lane_state]).any()):  # one host sync
-        raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
+        raise ValueError(NAN_MESSAGE)
     return indices, scores

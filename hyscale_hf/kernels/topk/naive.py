@@ -15,10 +15,19 @@ from ..windows import compute_dtype, query_chunk, query_windows, visible_mask
 _INT32_MIN = -(2**31)
 MASKED_KEY = _INT32_MIN  # never selected
 NAN_KEY = _INT32_MIN + 1  # ranks below -inf (whose key is larger), above masked
+NAN_MESSAGE = (
+    "hytopk: non-finite (NaN) indexer score found (check_nan=True); inputs q, k or w hold NaN/inf, "
+    "or a dot product overflows fp32"
+)
 
 
 def indexer_logits_block(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool = True, workspace: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    relu: bool = True,
+    workspace: torch.Tensor | None = None,
+    nonfinite_as_nan: bool = False,
 ) -> torch.Tensor:
     """``sum_h w[.., h] * ReLU(q[.., h, :] . k[s, :])`` for a block: q [B, c, H, D], k [B, T, D],
     w [B, c, H] -> [B, c, T] in fp32 (fp64 if any input is fp64).
@@ -26,22 +35,43 @@ def indexer_logits_block(
     ``workspace`` (no-grad callers): a flat buffer of at least B*c*H*T elements of the compute dtype
     that holds the per-head logits, so a loop over chunks reuses one block instead of allocating
     (and fragmenting) a fresh one per chunk.
+
+    ``nonfinite_as_nan``: a head logit that is not finite becomes NaN before the ReLU (which would
+    turn an overflowed ``-inf`` into a plausible 0); half of HyTopK's rule (``hytopk_scores_block``).
     """
     dt = compute_dtype(q, k, w)
     B, c, H, D = q.shape
     T = k.shape[1]
     if workspace is None:
         logits = torch.einsum("bchd,btd->bcht", q.to(dt), k.to(dt))
+        if nonfinite_as_nan:
+            logits = logits.masked_fill(~torch.isfinite(logits), float("nan"))
         if relu:
-            logits = logits.clamp_min(0)
-        return (logits * w.to(dt)[..., None]).sum(dim=2)
-    logits = workspace[: B * c * H * T].view(B, c * H, T)
-    torch.bmm(q.reshape(B, c * H, D).to(dt), k.to(dt).transpose(1, 2), out=logits)
-    logits = logits.view(B, c, H, T)
-    if relu:
-        logits.clamp_min_(0)
-    logits.mul_(w.to(dt)[..., None])
-    return logits.sum(dim=2)
+            logits = logits.clamp_min(0)  # clamp keeps NaN
+        out = (logits * w.to(dt)[..., None]).sum(dim=2)
+    else:
+        logits = workspace[: B * c * H * T].view(B, c * H, T)
+        torch.bmm(q.reshape(B, c * H, D).to(dt), k.to(dt).transpose(1, 2), out=logits)
+        logits = logits.view(B, c, H, T)
+        if nonfinite_as_nan:  # one byte per logit of mask, inverted in place
+            logits.masked_fill_(torch.isfinite(logits).logical_not_(), float("nan"))
+        if relu:
+            logits.clamp_min_(0)
+        logits.mul_(w.to(dt)[..., None])
+        out = logits.sum(dim=2)
+    return out
+
+
+def hytopk_scores_block(q, k, w, relu: bool = True, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """HyTopK's fp32 scores of a block ([B, c, T]) under its rule for non-finite values (``hytopk``):
+    NaN wherever a head logit or the weighted sum (after the cast to fp32) is not finite.
+
+    Whether an fp32 overflow shows as inf or NaN depends on the summation order, which differs
+    between the backends (and an overflowed ``-inf`` logit would pass ReLU as 0); as NaN it ranks
+    the same on both.
+    """
+    scores = indexer_logits_block(q, k, w, relu, workspace, nonfinite_as_nan=True).float()
+    return scores.masked_fill(~torch.isfinite(scores), float("nan"))
 
 
 def indexer_scores(q, k, w, *, relu=True, cu_seqlens=None, window_start=None) -> torch.Tensor:
@@ -52,7 +82,7 @@ def indexer_scores(q, k, w, *, relu=True, cu_seqlens=None, window_start=None) ->
     B, S = q.shape[:2]
     T = k.shape[1]
     start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
-    scores = indexer_logits_block(q, k, w, relu).float()
+    scores = hytopk_scores_block(q, k, w, relu)
     return scores.masked_fill(~visible_mask(start, end, 0, T), float("-inf"))
 
 
@@ -107,9 +137,11 @@ def hytopk_reference(
     """
     B, S, H, _ = q.shape
     T = k.shape[1]
+    idx_out = torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device)
+    score_out = torch.full((B, S, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    if B * S == 0:  # nothing to score (T = 0 implies S = 0)
+        return idx_out, score_out
     start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=q.device)
-    idx_out = torch.empty(B, S, topk, dtype=torch.int32, device=q.device)
-    score_out = torch.empty(B, S, topk, dtype=torch.float32, device=q.device)
     chunk = query_chunk(B, H, T, chunk_size, q.device)
     dt = compute_dtype(q, k, w)
     k = k.to(dt)  # once, not per chunk
@@ -119,9 +151,11 @@ def hytopk_reference(
         # Score only the keys some query of the chunk can see (early causal chunks see few).
         lo = int(start[:, c0:c1].min())
         hi = int(end[:, c0:c1].max()) + 1
-        scores = indexer_logits_block(q[:, c0:c1], k[:, lo:hi], w[:, c0:c1], relu, workspace).float()
+        if lo >= hi:  # every window of the chunk starts past its query (window_start > position)
+            continue  # rows stay -1 / -inf
+        scores = hytopk_scores_block(q[:, c0:c1], k[:, lo:hi], w[:, c0:c1], relu, workspace)
         visible = visible_mask(start[:, c0:c1], end[:, c0:c1], lo, hi)
         if check_nan and bool(torch.isnan(scores[visible]).any()):
-            raise ValueError("hytopk: NaN indexer score found (check_nan=True); inputs q, k or w hold NaN/inf")
+            raise ValueError(NAN_MESSAGE)
         idx_out[:, c0:c1], score_out[:, c0:c1] = select_topk(scores, visible, topk, key_offset=lo)
     return idx_out, score_out

@@ -11,6 +11,7 @@ import torch
 from ..checks import (
     check_cu_seqlens,
     check_dim,
+    check_num_keys,
     check_same_device,
     check_tensor,
     check_topk,
@@ -60,6 +61,21 @@ def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend, return_
     return q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, n_scores, dtype=torch.float32)
 
 
+def _setup_context(ctx, inputs, output):
+    # A selection is not differentiable and the scores are a by-product to inspect; the indexer
+    # learns from indexer_kl_loss (docs/design.md section 2). Without this registration the
+    # outputs of a call on inputs that need grad claimed requires_grad and failed in backward
+    # ("no autograd formula was registered").
+    ctx.mark_non_differentiable(*output)
+
+
+def _backward(ctx, d_indices, d_scores):  # never called: both outputs are non-differentiable
+    return (None,) * 10
+
+
+hytopk_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 # ----------------------------------------------------------------------------- public function
 
 
@@ -84,19 +100,29 @@ def hytopk(
     (``cu_seqlens``) or ``window_start`` (e.g. the first non-pad key), else 0.
 
     Selection rule (unique set): score descending, then key index ascending; ``-0.0`` equals
-    ``+0.0``; NaN ranks below ``-inf`` (or raises with ``check_nan=True``); invisible keys are
-    never selected.
+    ``+0.0``; invisible keys are never selected. Non-finite scores: a score is NaN when any
+    head's dot product ``q . k`` is not finite (an fp32 overflow or a NaN/inf input; also where
+    ReLU would clip a ``-inf`` to 0) or the weighted head sum is not finite. NaN scores rank
+    below every finite score (among themselves by key index), are returned as NaN, and raise
+    ``ValueError`` with ``check_nan=True``. Both backends follow this rule. (An overflow shows as
+    inf or NaN depending on the summation order, hence one class for both; only a dot product
+    whose partial sums leave the fp32 range while its total would not can still overflow in one
+    summation order and not in another.)
 
     Args:
         q: indexer queries ``[B, S, H, D]``, bf16/fp16/fp32.
         k: indexer keys ``[B, T, D]`` (one key per token, shared by the heads), same dtype family.
-        w: per-query head weights ``[B, S, H]``, fp32 (scales folded in).
-        topk: K > 0. With K >= visible keys every visible key is returned.
+        w: per-query head weights ``[B, S, H]``, fp32 (scales folded in). ``H >= 1`` and
+            ``D >= 1`` (else ``ValueError``); ``T <= 2**31``.
+        topk: ``0 < K <= 2**31 - 1``. With K >= visible keys every visible key is returned.
         cu_seqlens: optional int32/int64 ``[N + 1]`` packed-sequence offsets (needs B = 1, S = T).
         window_start: optional integer ``[B]`` or ``[B, S]``: first visible key per row/query.
+            Values <= 0 add no bound; a value past the query's position (also one > T) leaves
+            that query no visible key: its row is all ``-1``.
         relu: apply ReLU to each head's logit (family-specific; default on).
         return_scores: also return the fp32 scores of the selected keys.
-        check_nan: raise ``ValueError`` if a visible key scores NaN (the Triton path then syncs).
+        check_nan: raise ``ValueError`` if a visible key scores NaN, i.e. is not finite (the
+            Triton path then syncs).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
             kernel never writes the score table: extra memory is the outputs plus a candidate
             scratch of about ``host.SCRATCH_BYTES`` (1 GiB), reused over query chunks, and the final
@@ -117,7 +143,9 @@ def hytopk(
         with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
         (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
         continuous inputs the Triton scores can differ from the reference's in the last bits
-        because the head sum runs in another order).
+        because the head sum runs in another order). Neither output carries a gradient (the
+        scores are not differentiable; the indexer trains through ``indexer_kl_loss``). Empty
+        inputs (``B``, ``S`` or ``T`` = 0) give outputs of that shape (``T = 0``: all ``-1``).
     """
     check_tensor("q", q, 4, "[B, S, H, D]")
     B, S, H, D = q.shape
@@ -130,6 +158,13 @@ def hytopk(
     check_dim("w", w, 1, S, f"[B={B}, S={S}, H={H}]")
     check_dim("w", w, 2, H, f"[B={B}, S={S}, H={H}]")
     check_topk(topk)
+    # No heads (or zero-width heads) would make every score an empty sum, 0: a selection of the
+    # first K keys that no indexer means. Refused rather than defined.
+    if H < 1:
+        raise ValueError(f"q must have H >= 1 heads (shape [B, S, H, D]), got shape {tuple(q.shape)}")
+    if D < 1:
+        raise ValueError(f"q must have D >= 1 dims per head (shape [B, S, H, D]), got shape {tuple(q.shape)}")
+    check_num_keys("k", T)
     if S > T:
         raise ValueError(f"q has S = {S} queries but k has only T = {T} keys; need S <= T")
     check_same_device(q=q, k=k, w=w, cu_seqlens=cu_seqlens, window_start=window_start)

@@ -29,7 +29,6 @@ the GPU tests compare it with the reference and with the Triton scan.
 
 from __future__ import annotations
 
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
@@ -152,8 +151,8 @@ def _select_partition(
             _sync_partition()  # every warp's part of tile j's product is done: its slot may refill
             mbarrier.arrive(bars.index(STAGES + j % STAGES), count=1)
 
-            if RELU:
-                cur = gl.maximum(cur, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            if RELU:  # NaN and -inf logits stay NaN, as in the Triton scan (hytopk's rule)
+                cur = gl.where(cur > float("-inf"), gl.maximum(cur, 0.0), float("nan"))
             sc = _per_query(cur * wv[None, :], BQ, H, True)
             offs_n = _tile_at(SEG0 + j, n_local, first, last) * BN + jj
             vis = (offs_n >= start) & (offs_n <= end)
@@ -164,9 +163,10 @@ def _select_partition(
                 bits = sc.to(gl.int32, bitcast=True)
                 bits = gl.where(bits == _I32_MIN, 0, bits)
                 mono = gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-                mono = gl.where(sc != sc, _NAN_MONO, mono)
+                finite = gl.abs(sc) < float("inf")  # non-finite scores rank as NaN
+                mono = gl.where(finite, mono, _NAN_MONO)
                 if CHECK_NAN:
-                    nan_seen = gl.maximum(nan_seen, (vis & (sc != sc)).to(gl.int32))
+                    nan_seen = gl.maximum(nan_seen, (vis & ~finite).to(gl.int32))
                 above = (mono > th_mono) | ((mono == th_mono) & (offs_n <= th_idx))
                 keep = vis & above
                 key = ((mono.to(gl.int64) + 1) << 32) - 1 - offs_n.to(gl.int64)

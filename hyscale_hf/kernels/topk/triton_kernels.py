@@ -2,8 +2,8 @@
 
 Exact streaming top-k without a score table. Every candidate is an int64 *key* that orders like the
 tie rule (``naive.score_sort_keys``): ``mono(score) << 32 | (2**32 - 1 - index)``, where ``mono``
-is an order-preserving int32 image of the fp32 score (-0.0 -> +0.0, NaN just above the masked
-sentinel). Keys are unique, so "the K largest keys" is one exact set.
+is an order-preserving int32 image of the fp32 score (-0.0 -> +0.0, every non-finite score to NaN
+just above the masked sentinel). Keys are unique, so "the K largest keys" is one exact set.
 
 ``hytopk_scan_kernel`` (on sm_90 from 64K keys per sequence, ``scan_gluon`` takes its place
 with the same contract): a program owns BQ query rows and all their heads (matmul N = BQ * H, keys
@@ -304,8 +304,8 @@ def hytopk_scan_kernel(
             acc = tl.dot(kt, qT, input_precision="ieee")
         else:
             acc = tl.dot(kt, qT)
-        if RELU:
-            acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        if RELU:  # a logit that is NaN or -inf (an overflow ReLU would hide as 0) stays NaN: hytopk's rule
+            acc = tl.where(acc > float("-inf"), tl.maximum(acc, 0.0), float("nan"))
         acc = acc * wv[None, :]
         if HP != H:
             acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
@@ -323,9 +323,11 @@ def hytopk_scan_kernel(
             bits = sc.to(tl.int32, bitcast=True)
             bits = tl.where(bits == _I32_MIN, 0, bits)
             mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            mono = tl.where(sc != sc, _NAN_MONO, mono)
+            # every non-finite score (NaN, or an overflow as +-inf) ranks as NaN (naive.hytopk_scores_block)
+            finite = tl.abs(sc) < float("inf")
+            mono = tl.where(finite, mono, _NAN_MONO)
             if CHECK_NAN:
-                nan_seen = tl.maximum(nan_seen, tl.max((vis & (sc != sc)).to(tl.int32), axis=0))
+                nan_seen = tl.maximum(nan_seen, tl.max((vis & ~finite).to(tl.int32), axis=0))
             n_idx = offs_n[:, None]
             above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
             keep = vis & above

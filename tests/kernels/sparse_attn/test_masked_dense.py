@@ -58,27 +58,28 @@ def test_masked_dense_chunks_queries_without_changing_results(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_masked_dense_empty_query_or_key_ranges():
-    q, k, v = torch.randn(1, 0, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
-    o, lse = sparse_attention_masked_dense(q, k, v, torch.zeros(1, 0, 2, dtype=torch.int32), 1.0)
-    assert o.shape == (1, 0, 2, 8) and lse.shape == (1, 0, 2)
-
-
-def test_fits_takes_short_key_ranges_only():
-    q = torch.empty(1, 1024, 9, 64)
-    assert fits(q, torch.empty(1, 1024, 3, 64), torch.empty(1, 1024, 128, dtype=torch.int32))
+def test_fits_takes_short_key_ranges_of_finite_inputs_only():
+    q, kv = torch.zeros(1, 1024, 9, 64), torch.zeros(1, 1024, 3, 64)
+    assert fits(q, kv, kv, torch.empty(1, 1024, 128, dtype=torch.int32))
     # 32x more keys than selected: the gathers are cheaper
-    assert not fits(q[:, :1], torch.empty(1, 8192, 3, 64), torch.empty(1, 1, 128, dtype=torch.int32))
+    long_kv = torch.zeros(1, 8192, 3, 64)
+    assert not fits(q[:, :1], long_kv, long_kv, torch.empty(1, 1, 128, dtype=torch.int32))
     # the probabilities autograd would keep exceed MAX_SCORE_BYTES
-    assert not fits(torch.empty(1, 16384, 9, 64), torch.empty(1, 16384, 3, 64),
-                    torch.empty(1, 16384, 2048, dtype=torch.int32))
+    big = torch.empty(1, 16384, 9, 64, device="meta")
+    assert not fits(big, big[:, :, :3], big[:, :, :3], torch.empty(1, 16384, 2048, dtype=torch.int32, device="meta"))
+    # a NaN in any row would reach queries that never selected it: the reference's gathers keep it out
+    bad = kv.clone()
+    bad[0, 5, 1, 3] = float("nan")
+    assert not fits(q, kv, bad, torch.empty(1, 1024, 128, dtype=torch.int32))
+    assert not fits(q.to("meta"), kv.to("meta"), kv.to("meta"), torch.empty(1, 1024, 128, dtype=torch.int32))
+    assert not fits(q[:, :0], kv, kv, torch.empty(1, 0, 128, dtype=torch.int32))  # empty: the reference
 
 
 def test_public_torch_backend_takes_masked_dense_and_matches_reference():
     torch.manual_seed(2)
     q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
     idx = random_selection(1, 8, 8, 3)
-    assert fits(q, k, idx)
+    assert fits(q, k, v, idx)
     o, lse = sparse_attention(q, k, v, idx, scale=0.25, return_lse=True, backend="torch")
     o_ref, lse_ref = sparse_attention_reference(q, k, v, idx, 0.25)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
