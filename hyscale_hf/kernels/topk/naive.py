@@ -22,12 +22,7 @@ NAN_MESSAGE = (
 
 
 def indexer_logits_block(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    relu: bool = True,
-    workspace: torch.Tensor | None = None,
-    nonfinite_as_nan: bool = False,
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool = True, workspace: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``sum_h w[.., h] * ReLU(q[.., h, :] . k[s, :])`` for a block: q [B, c, H, D], k [B, T, D],
     w [B, c, H] -> [B, c, T] in fp32 (fp64 if any input is fp64).
@@ -35,42 +30,34 @@ def indexer_logits_block(
     ``workspace`` (no-grad callers): a flat buffer of at least B*c*H*T elements of the compute dtype
     that holds the per-head logits, so a loop over chunks reuses one block instead of allocating
     (and fragmenting) a fresh one per chunk.
-
-    ``nonfinite_as_nan``: a head logit that is not finite becomes NaN before the ReLU (which would
-    turn an overflowed ``-inf`` into a plausible 0); half of HyTopK's rule (``hytopk_scores_block``).
     """
     dt = compute_dtype(q, k, w)
     B, c, H, D = q.shape
     T = k.shape[1]
     if workspace is None:
         logits = torch.einsum("bchd,btd->bcht", q.to(dt), k.to(dt))
-        if nonfinite_as_nan:
-            logits = logits.masked_fill(~torch.isfinite(logits), float("nan"))
         if relu:
-            logits = logits.clamp_min(0)  # clamp keeps NaN
-        out = (logits * w.to(dt)[..., None]).sum(dim=2)
-    else:
-        logits = workspace[: B * c * H * T].view(B, c * H, T)
-        torch.bmm(q.reshape(B, c * H, D).to(dt), k.to(dt).transpose(1, 2), out=logits)
-        logits = logits.view(B, c, H, T)
-        if nonfinite_as_nan:  # one byte per logit of mask, inverted in place
-            logits.masked_fill_(torch.isfinite(logits).logical_not_(), float("nan"))
-        if relu:
-            logits.clamp_min_(0)
-        logits.mul_(w.to(dt)[..., None])
-        out = logits.sum(dim=2)
-    return out
+            logits = logits.clamp_min(0)  # keeps NaN; -inf becomes 0, the exact ReLU of it
+        return (logits * w.to(dt)[..., None]).sum(dim=2)
+    logits = workspace[: B * c * H * T].view(B, c * H, T)
+    torch.bmm(q.reshape(B, c * H, D).to(dt), k.to(dt).transpose(1, 2), out=logits)
+    logits = logits.view(B, c, H, T)
+    if relu:
+        logits.clamp_min_(0)
+    logits.mul_(w.to(dt)[..., None])
+    return logits.sum(dim=2)
 
 
 def hytopk_scores_block(q, k, w, relu: bool = True, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """HyTopK's fp32 scores of a block ([B, c, T]) under its rule for non-finite values (``hytopk``):
-    NaN wherever a head logit or the weighted sum (after the cast to fp32) is not finite.
+    NaN wherever the weighted head sum (after the cast to fp32) is not finite.
 
-    Whether an fp32 overflow shows as inf or NaN depends on the summation order, which differs
-    between the backends (and an overflowed ``-inf`` logit would pass ReLU as 0); as NaN it ranks
-    the same on both.
+    A head logit of ``+inf`` or NaN (an fp32 overflow, or a non-finite input) makes the sum non-finite;
+    ``-inf`` passes ReLU as its exact value, 0. Whether a non-finite sum shows as ``inf`` or NaN depends
+    on the summation order, which differs between the backends; as NaN it ranks the same on both. The
+    kernels apply the rule to the [BN, BQ] sums only, not to the H-times larger per-head logits.
     """
-    scores = indexer_logits_block(q, k, w, relu, workspace, nonfinite_as_nan=True).float()
+    scores = indexer_logits_block(q, k, w, relu, workspace).float()
     return scores.masked_fill(~torch.isfinite(scores), float("nan"))
 
 

@@ -100,9 +100,9 @@ def hytopk(
     (``cu_seqlens``) or ``window_start`` (e.g. the first non-pad key), else 0.
 
     Selection rule (unique set): score descending, then key index ascending; ``-0.0`` equals
-    ``+0.0``; invisible keys are never selected. Non-finite scores: a score is NaN when any
-    head's dot product ``q . k`` is not finite (an fp32 overflow or a NaN/inf input; also where
-    ReLU would clip a ``-inf`` to 0) or the weighted head sum is not finite. NaN scores rank
+    ``+0.0``; invisible keys are never selected. Non-finite scores: a score is NaN when the
+    weighted head sum is not finite (a head's dot product ``q . k`` of ``+inf`` or NaN, from an fp32
+    overflow or a NaN/inf input, always makes it so; ReLU takes a ``-inf`` one to its exact 0). NaN scores rank
     below every finite score (among themselves by key index), are returned as NaN, and raise
     ``ValueError`` with ``check_nan=True``. Both backends follow this rule. (An overflow shows as
     inf or NaN depending on the summation order, hence one class for both; only a dot product

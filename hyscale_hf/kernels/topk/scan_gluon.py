@@ -29,6 +29,7 @@ the GPU tests compare it with the reference and with the Triton scan.
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
@@ -151,8 +152,8 @@ def _select_partition(
             _sync_partition()  # every warp's part of tile j's product is done: its slot may refill
             mbarrier.arrive(bars.index(STAGES + j % STAGES), count=1)
 
-            if RELU:  # NaN and -inf logits stay NaN, as in the Triton scan (hytopk's rule)
-                cur = gl.where(cur > float("-inf"), gl.maximum(cur, 0.0), float("nan"))
+            if RELU:  # NaN stays NaN, as in the Triton scan; non-finite sums become NaN below
+                cur = gl.maximum(cur, 0.0, propagate_nan=tl.PropagateNan.ALL)
             sc = _per_query(cur * wv[None, :], BQ, H, True)
             offs_n = _tile_at(SEG0 + j, n_local, first, last) * BN + jj
             vis = (offs_n >= start) & (offs_n <= end)

@@ -304,8 +304,8 @@ def hytopk_scan_kernel(
             acc = tl.dot(kt, qT, input_precision="ieee")
         else:
             acc = tl.dot(kt, qT)
-        if RELU:  # a logit that is NaN or -inf (an overflow ReLU would hide as 0) stays NaN: hytopk's rule
-            acc = tl.where(acc > float("-inf"), tl.maximum(acc, 0.0), float("nan"))
+        if RELU:  # NaN stays NaN (+inf too); the non-finite sums become NaN below, on [BN, BQ] only
+            acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
         acc = acc * wv[None, :]
         if HP != H:
             acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)

@@ -100,13 +100,14 @@ def test_a_dot_product_that_overflows_scores_nan_and_ranks_last(backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("relu", [True, False])
 def test_infinite_scores_and_inputs_rank_like_nan(backend, relu):
-    # +inf / -inf scores, a head whose dot is -inf (which ReLU would clip to 0), inf * 0 in w:
-    # every non-finite head logit or score counts as NaN: below every finite score, lower index first.
+    # +inf / -inf head products, inf * 0 in w, a NaN input, an overflowing dot: every score that is not
+    # finite counts as NaN, below every finite score, lower index first. A -inf product passes ReLU as
+    # its exact value, 0 (so with ReLU key 1 is a finite 0, without it a non-finite -inf).
     D = 16
     q = torch.ones(1, 1, 2, D)
     k = torch.zeros(1, 7, D)
     k[0, 0, 0] = INF  # dot +inf in both heads
-    k[0, 1, 0] = -INF  # dot -inf in both heads (ReLU would make it 0)
+    k[0, 1, 0] = -INF  # dot -inf in both heads
     k[0, 2, 0] = 2.0  # finite: 2 * (w0 + w1)
     k[0, 3, 0] = NAN
     k[0, 4, 0] = 1e30  # 1e30 * w = 1.5e30: finite
@@ -116,14 +117,15 @@ def test_infinite_scores_and_inputs_rank_like_nan(backend, relu):
     w = torch.tensor([[[1.0, 0.5]]])
     q, k, w = q.to(DEV), k.to(DEV), w.to(DEV)
     idx, sc = both(q, k, w, 7, backend, relu=relu)
-    assert idx[0, 0].tolist() == list(range(7)) and int(torch.isnan(sc).sum()) == 4
-    # finite scores 1.5e30 (key 4), 3 (key 2), 0 or -1.5 (key 5) come before every non-finite one
+    assert idx[0, 0].tolist() == list(range(7)) and int(torch.isnan(sc).sum()) == (3 if relu else 4)
+    # finite scores 1.5e30 (key 4), 3 (key 2), then 0 for keys 1 and 5 (relu) or -1.5 (key 5)
     idx3, sc3 = both(q, k, w, 3, backend, relu=relu)
-    assert idx3[0, 0].tolist() == [2, 4, 5]
+    assert idx3[0, 0].tolist() == ([1, 2, 4] if relu else [2, 4, 5])
     assert bool(torch.isfinite(sc3).all())
-    # the NaN class: returned as NaN, chosen by lowest index
+    # without ReLU three scores are finite: the fourth key is the NaN class's lowest index
     idx4, sc4 = both(q, k, w, 4, backend, relu=relu)
-    assert idx4[0, 0].tolist() == [0, 2, 4, 5] and torch.isnan(sc4[0, 0, 0])
+    assert idx4[0, 0].tolist() == ([1, 2, 4, 5] if relu else [0, 2, 4, 5])
+    assert bool(torch.isfinite(sc4).all()) if relu else bool(torch.isnan(sc4[0, 0, 0]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
