@@ -88,6 +88,10 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
     saved patched model was saved with (``model.config.hyscale_config``, written to config.json by
     ``save_pretrained``), else ``HyScaleConfig()``. Raises ``ValueError`` for an unsupported model
     type (listing the supported ones) or a model that is already patched.
+
+    The patched model gets its own copy of its config (``model.config`` is no longer the object it was
+    built from), so patching it changes no other model that shares that object;
+    ``unpatch_model`` puts the original back.
     """
     if config is not None and not isinstance(config, HyScaleConfig):
         raise TypeError(f"config must be a HyScaleConfig or None, got {type(config).__name__}")
@@ -100,7 +104,17 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
         raise ValueError("model is already patched; call hyscale_hf.unpatch_model(model) first")
     family = family_of(model_config.model_type)
     state = PatchState(config=cfg, family=family)
-    undo = family.apply(target, state)
+    # The patch writes into the model's config; another model sharing that object must not see it.
+    from .model_patches._own_config import give_own_config
+
+    state.undo.append(give_own_config(model, model_config))
+    model_config = target.config
+    try:
+        undo = family.apply(target, state)
+    except BaseException:
+        for step in reversed(state.undo):
+            step()
+        raise
     state.undo.append(undo)
     setattr(target, STATE_ATTR, state)
     state.undo.append(set_record(model_config, CONFIG_RECORD, LiveRecord({}, _ConfigSnapshot(state))))
