@@ -7,9 +7,12 @@ records), so patching one model in place would change every other model built fr
 an unpatched model sharing it would run with an attention implementation that refuses unpatched
 modules, and a later model would read the patch's records. Before any change, the patch therefore
 deep-copies the model's config (its sub-configs with it) and points every module of the model that
-held the original (or one of its sub-configs) at the copy. Unpatching points them back at the
-original object, which the patch never touched; edits made to ``model.config`` while patched stay
-with the copy.
+held the original (or one of its sub-configs) at the copy.
+
+Unpatching points the modules back at the original objects. Edits made through the patched model
+(``model.config.use_cache = False`` while training, say) are carried over to the original then, as if
+they had been made on it: after the patch's own changes are undone, every attribute of a copy that
+differs from what it was when copied is written to its original.
 """
 
 from __future__ import annotations
@@ -20,17 +23,34 @@ from torch import nn
 from transformers import PretrainedConfig
 
 
-class RestoreConfigs:
-    """Undo of ``give_own_config``: puts the original config objects back on the modules that held them
-    (a callable object holding data, so ``copy.deepcopy`` of a patched model restores the copy)."""
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a plain == (tensors): compare identity
+        return a is b
 
-    def __init__(self, swaps: list[tuple[nn.Module, str, PretrainedConfig]]) -> None:
-        self.swaps = swaps
+
+class RestoreConfigs:
+    """Undo of ``give_own_config`` (a callable object holding data, so ``copy.deepcopy`` of a patched
+    model restores the copy's configs)."""
+
+    def __init__(self, swaps: list[tuple[nn.Module, str, PretrainedConfig]], pairs: list[tuple]) -> None:
+        self.swaps = swaps  # (module, attribute, original config)
+        self.pairs = pairs  # (original, its copy, the copy's attributes as copied, deep-copied)
 
     def __call__(self) -> None:
+        copies = {id(own): original for original, own, _ in self.pairs}
+        for original, own, as_copied in self.pairs:
+            for key, value in own.__dict__.items():
+                if isinstance(value, PretrainedConfig) and id(value) in copies:
+                    continue  # a sub-config: carried over on its own
+                if key not in as_copied or not _equal(as_copied[key], value):
+                    original.__dict__[key] = value
+            for key in as_copied.keys() - own.__dict__.keys():
+                original.__dict__.pop(key, None)
         for module, name, original in reversed(self.swaps):
             module.__dict__[name] = original
-        self.swaps = []
+        self.swaps, self.pairs = [], []
 
 
 def give_own_config(root: nn.Module, config: PretrainedConfig) -> RestoreConfigs:
@@ -39,11 +59,25 @@ def give_own_config(root: nn.Module, config: PretrainedConfig) -> RestoreConfigs
     memo: dict = {}
     copy.deepcopy(config, memo)
     # memo maps id(original object) -> its copy, for everything reached from config (its sub-configs too).
-    copies = {key: value for key, value in memo.items() if isinstance(value, PretrainedConfig)}
+    originals = {id(o): o for o in _configs_in(config)}
+    copies = {key: memo[key] for key in originals}
+    pairs = [(originals[key], own, copy.deepcopy(own.__dict__)) for key, own in copies.items()]
     swaps = []
     for module in root.modules():
         for name, value in list(vars(module).items()):
-            if isinstance(value, PretrainedConfig) and id(value) in copies and value is not copies[id(value)]:
+            if isinstance(value, PretrainedConfig) and id(value) in copies:
                 swaps.append((module, name, value))
                 module.__dict__[name] = copies[id(value)]
-    return RestoreConfigs(swaps)
+    return RestoreConfigs(swaps, pairs)
+
+
+def _configs_in(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """``config`` and the configs nested in its attributes (text / vision sub-configs), each once."""
+    found, todo = {}, [config]
+    while todo:
+        c = todo.pop()
+        if id(c) in found:
+            continue
+        found[id(c)] = c
+        todo.extend(v for v in vars(c).values() if isinstance(v, PretrainedConfig))
+    return list(found.values())
