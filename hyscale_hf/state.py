@@ -43,6 +43,7 @@ build no autograd graph outside the indexer (``indexer.before_forward``). ``sele
     pending_losses: list[torch.Tensor] = field(default_factory=list)
     base_frozen: bool = False
     selection_probe: Callable[..., None] | None = None
+    warned: set[str] = field(default_factory=set)  # keys of the warnings this model gave (each once)
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())

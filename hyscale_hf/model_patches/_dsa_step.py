@@ -24,6 +24,7 @@ hands its layer call in through ``CALL_KWARG``); it refuses any module that hysc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,8 +37,8 @@ from ..indexer import attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
-from ..replay import reuse_indices
-from ..state import PatchState
+from ..replay import replaying, reuse_indices
+from ..state import PatchState, in_backward
 from ..training import observe_selection
 from ._visibility import Visibility, padding_mask_only, window_indices
 
@@ -249,6 +250,8 @@ def dsa_attention(
                              window_start=vis.window_start, relu=cfg.relu, backend=cfg.backend)
             if vis.key_end is not None:  # right padding: only padding queries could have picked padding keys
                 indices = indices.masked_fill(indices > vis.key_end[:, None, None].to(indices.dtype), -1)
+            if cfg.selection_replay and in_backward() and not replaying():
+                _warn_selection_recomputed(state)
         elif prev_indices is None:
             raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
         else:
@@ -262,6 +265,24 @@ def dsa_attention(
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
         out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, cfg), state)
     return out, indices
+
+
+_RECOMPUTED = (
+    "hyscale_hf: the indexer and its top-k ran again in a checkpoint recompute. This checkpoint does not "
+    "replay selections: reentrant checkpointing (use_reentrant=True), a checkpoint function set by hand "
+    "on a layer (_gradient_checkpointing_func), or your own torch.utils.checkpoint call without "
+    "context_fn=hyscale_hf.replay_context_fn(). Backward then repeats the O(T^2) selection and may see "
+    "a different one than the forward used. Use Transformers' gradient_checkpointing_enable() (replay "
+    "is wired into it), pass replay_context_fn() to non-reentrant checkpoint calls, or patch with "
+    "selection_replay=False to recompute on purpose (which silences this warning)."
+)
+
+
+def _warn_selection_recomputed(state: PatchState) -> None:
+    """Warn once per patched model that a checkpoint recompute ran the selection instead of replaying it."""
+    if "recomputed_selection" not in state.warned:
+        state.warned.add("recomputed_selection")
+        warnings.warn(_RECOMPUTED, UserWarning, stacklevel=3)
 
 
 def _indexer_loss(attention, index, indices, lse, vis: Visibility, cfg) -> torch.Tensor:
