@@ -83,5 +83,11 @@ def add_undo(model: torch.nn.Module, undo: Callable[[], None]) -> None:
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward pass: checkpoint recomputation happens there."""
+    """True while autograd runs a backward pass: checkpoint recomputation happens there.
+
+    False while ``torch.compile`` traces: the traced code is the forward (a compiled graph recomputes
+    checkpointed regions itself, without running this Python again), and dynamo cannot trace the query.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1

@@ -257,11 +257,32 @@ def test_left_and_right_padding_match_unpadded_rows(variant):
     _close(left[1:, 3:], lb)
 
 
-def test_mask_with_holes_is_refused():
-    model = _patched("llama", topk=3)
-    ids = tokens(1, 6)
-    with pytest.raises(ValueError, match="padding inside a row"):
-        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]))
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_a_mask_with_holes_selects_as_the_sequence_without_them(variant):
+    """Zeros anywhere in a row (generate() appends ones after a right-padded prompt): with topk < T the
+    real tokens select exactly as the row's real tokens run alone (same positions)."""
+    model = _patched(variant, topk=3)
+    ids = tokens(2, 10, seed=4)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        holed = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+        for row in range(2):
+            real = mask[row].bool()
+            alone = model(ids[row : row + 1, real]).logits
+            _close(holed[row : row + 1, real], alone)
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_a_random_mask_matches_unpatched_when_topk_covers(variant):
+    """Every query with a visible key (padding queries too: they attend to the real keys before them)."""
+    ref = tiny_model(variant).eval()
+    pat = copy.deepcopy(ref)
+    patch_model(pat, topk=64, **INDEXER)
+    ids = tokens(3, 11, seed=5)
+    mask = (torch.rand(3, 11, generator=torch.Generator().manual_seed(0)) > 0.35).long()
+    mask[:, 4] = 1  # every query from 4 on has a visible key
+    with torch.no_grad():
+        _close(pat(ids, attention_mask=mask).logits[:, 4:], ref(ids, attention_mask=mask).logits[:, 4:])
 
 
 def test_resolved_settings_are_written_back():
