@@ -22,7 +22,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .kernels.topk import hytopk_op, selection_counts

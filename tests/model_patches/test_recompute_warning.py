@@ -10,7 +10,6 @@ import functools
 import warnings
 
 import pytest
-import torch
 from torch.utils.checkpoint import checkpoint
 
 import hyscale_hf
