@@ -51,16 +51,19 @@ def _take(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 class Compaction:
     """The reordering of one layer call's ``T`` keys and ``S`` queries under ``key_mask [B, T]``.
 
-    ``start`` ``[B, S]`` is each query's window start before the mask (packing, sliding window).
+    ``start`` ``[B, S]`` is each query's window start before the mask (packing, sliding window);
+    ``query_pos`` ``[S]`` the queries' key positions when they are not the last ``S`` (a static cache,
+    whose mask hides every key after them).
     """
 
-    def __init__(self, key_mask: torch.Tensor, start: torch.Tensor, queries: int) -> None:
+    def __init__(self, key_mask: torch.Tensor, start: torch.Tensor, queries: int,
+                 query_pos: torch.Tensor | None = None) -> None:
         B, T = key_mask.shape
         S = queries
         m = key_mask
         n = m.sum(1)  # real keys per row
         self.key_perm = _inverse(_places(m, n, T))  # compacted key c <- original key key_perm[b, c]
-        qm = m[:, T - S :]
+        qm = m[:, T - S :] if query_pos is None else m.gather(1, query_pos.expand(B, S))
         mq = qm.sum(1)  # real queries per row
         self.query_perm = _inverse(_places(qm, mq, S))  # slot j <- original query query_perm[b, j]
         # The slot each original query reads its selection from: S - m + (real queries up to and

@@ -40,6 +40,7 @@ from ..kernels.windows import chunk_budget_bytes
 from ..replay import replaying, reuse_indices
 from ..state import PatchState, in_backward
 from ..training import observe_selection
+from ._attention_weights import layer_weights
 from ._compaction import Compaction
 from ._visibility import Visibility, padding_mask_only, window_indices
 
@@ -71,6 +72,13 @@ def register_attention_implementation() -> None:
 
 
 register_attention_implementation()
+
+
+def wants_weights(module, kwargs: dict) -> bool:
+    """Whether this call should return its attention probabilities: ``output_attentions`` as the model's
+    forward received it (it reaches the layers in their keyword arguments), else the config's."""
+    flag = kwargs.get("output_attentions")
+    return bool(getattr(module.config, "output_attentions", False) if flag is None else flag)
 
 
 # ----------------------------------------------------------------------------- the two attention forms
@@ -115,7 +123,7 @@ class GQAAttention:
         outs = []
         for c0 in range(0, S, chunk):
             c1 = min(S, c0 + chunk)
-            hi = T - S + c1  # no query of the chunk sees a key past its last one
+            hi = vis.last_key(T, S, c1)  # no query of the chunk sees a key past its last one
             args = (qt[:, :, c0:c1], kt[:, :, :hi], vt[:, :, :hi], start[:, c0:c1], end[:, c0:c1])
             several = chunk < S and torch.is_grad_enabled()
             outs.append(checkpoint(block, *args, use_reentrant=False) if several else block(*args))
@@ -194,7 +202,7 @@ def _dense_mla(q, k, value_dim: int, scale: float, vis: Visibility, want_lse: bo
     outs, lses = [], []
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
-        lo, hi = 0, T - S + c1  # bounds known without reading the windows (no host sync)
+        lo, hi = 0, vis.last_key(T, S, c1)  # bounds known without reading the windows (no host sync)
         visible = vis.visible(start[:, c0:c1], end[:, c0:c1], lo, hi)  # [B, c, W]
 
         def block(qc, kc, visible=visible):
@@ -227,6 +235,7 @@ def dsa_attention(
     window: int | None = None,
     training: bool = False,
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weights: bool = False,
 ):
     """One attention step of a patched layer; reads the live ``state.config`` (stage, topk, backend).
 
@@ -241,18 +250,21 @@ def dsa_attention(
         training: the module's training flag (the indexer loss is added only when training with grad).
         finish: maps the attention output ``o [B, S, H, Dv]`` to the layer output the loss rides on
             (MLA: ``W_UV``, gates and ``o_proj``); identity when None.
+        weights: also return the attention probabilities (``output_attentions=True``).
 
     Returns:
-        ``(output, indices)``: indices int32 ``[B, S, K]`` of the sparse stage (None otherwise).
+        ``(output, indices, probabilities)``: indices int32 ``[B, S, K]`` of the sparse stage (None
+        otherwise); probabilities fp32 ``[B, H, S, T]`` when ``weights``, else None.
     """
     cfg = state.config
     B, S, T = attention.shape
-    indices = None
+    indices = attended = None  # attended: the keys each query attended to, as indices (None: all visible)
     compaction = None
     if index is not None and vis.key_mask is not None:  # a padding mask: select in compacted order
-        compaction = Compaction(vis.key_mask, vis.windows(B, S, T, attention.device)[0], S)
+        compaction = Compaction(vis.key_mask, vis.windows(B, S, T, attention.device)[0], S, vis.query_pos)
     if index is None and not shared and window is not None:
-        o, lse = attention.attend_window(window_indices(vis, window, B, S, T, attention.device), cfg.backend)
+        attended = window_indices(vis, window, B, S, T, attention.device)
+        o, lse = attention.attend_window(attended, cfg.backend)
     elif cfg.dense_warmup or (index is None and not shared):  # warm-up, or a layer without DSA
         o, lse = attention.attend_all(vis, cfg.backend)
     else:
@@ -266,13 +278,14 @@ def dsa_attention(
         else:
             indices = reuse_indices(prev_indices)
         o, lse = attention.attend_selected(indices, cfg.backend)
+        attended = indices
     if index is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
         q_and_k, windows = _dense_inputs(attention, index, vis, compaction)
         observe_selection(state, *q_and_k[:5], scale=attention.scale, relu=cfg.relu, **windows)
     out = o if finish is None else finish(o)
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
         out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, compaction, cfg), state)
-    return out, indices
+    return out, indices, (layer_weights(attention, attended, vis) if weights else None)
 
 
 def _select(index, vis: Visibility, compaction: Compaction | None, topk: int, cfg) -> torch.Tensor:

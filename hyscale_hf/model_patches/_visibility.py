@@ -18,6 +18,8 @@ them):
   defines the visible keys on its own, as in Transformers (generate() derives the positions of a
   padded batch from its mask).
 - A sliding window ``W``: a per-query window start of ``pos - W + 1``.
+- A static cache: the layer attends over all its ``T`` slots, the queries sit at the slots the cache
+  just wrote (``query_offset``, a device tensor), and the slots not written yet are invisible.
 
 Nothing here reads a tensor's values on the host: which of these apply follows from which inputs
 were given and their shapes, never from their contents, so a forward makes no host sync, runs on
@@ -52,12 +54,15 @@ class Visibility:
         window_start: int64 ``[B]`` or ``[B, S]`` first visible key, or None (key 0).
         key_mask: bool ``[B, T]``, False for padding keys (any pattern); None when no mask was given.
         query_real: bool ``[B, S]``, False for padding queries; None when no mask was given.
+        query_pos: int64 ``[S]`` key position of each query when it is not ``T - S + i`` (a static
+            cache's slots); the key mask then hides every key after the last query.
     """
 
     cu_seqlens: torch.Tensor | None
     window_start: torch.Tensor | None
     key_mask: torch.Tensor | None
     query_real: torch.Tensor | None
+    query_pos: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
@@ -66,8 +71,16 @@ class Visibility:
 
     def windows(self, batch: int, queries: int, keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(start, end)`` int64 ``[B, S]``: the window of each query, before the key mask."""
-        return query_windows(batch, queries, keys, cu_seqlens=self.cu_seqlens, window_start=self.window_start,
-                             device=device)
+        start, end = query_windows(batch, queries, keys, cu_seqlens=self.cu_seqlens, window_start=self.window_start,
+                                   device=device)
+        if self.query_pos is not None:
+            end = self.query_pos.to(device).expand(batch, queries)
+        return start, end
+
+    def last_key(self, keys: int, queries: int, last_query: int) -> int:
+        """One past the last key any of the first ``last_query`` queries can see (a bound known without
+        reading a tensor: all ``keys`` when the queries' positions are a tensor)."""
+        return keys if self.query_pos is not None else keys - queries + last_query
 
     def visible(self, start: torch.Tensor, end: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """``[B, c, hi - lo]`` bool: key ``lo + j`` visible to each query of a chunk with windows
@@ -79,13 +92,18 @@ class Visibility:
         return seen
 
 
-def _key_mask(mask, T: int) -> torch.Tensor:
-    """The 2-D padding mask cut to the T keys attention sees, as bool ``[B, T]``."""
+def _key_mask(mask, T: int, static: bool = False) -> torch.Tensor:
+    """The 2-D padding mask cut to the T keys attention sees, as bool ``[B, T]``. A static cache's keys
+    are its slots from 0: the mask covers the written ones and the rest are padding."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
             f"hyscale_hf patched attention needs a 2-D padding attention_mask [batch, tokens] (or None); got {shape}"
         )
+    if static:
+        if mask.shape[1] > T:
+            raise ValueError(f"attention_mask covers {mask.shape[1]} tokens but the static cache holds {T}")
+        return torch.nn.functional.pad(mask.bool(), (0, T - mask.shape[1]))
     if mask.shape[1] < T:
         raise ValueError(f"attention_mask covers {mask.shape[1]} tokens but attention sees {T} keys")
     return mask[:, mask.shape[1] - T :].bool()
@@ -120,7 +138,8 @@ def _latest_start(parts: list[torch.Tensor], B: int, S: int, device) -> torch.Te
 
 
 def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int, *,
-               sliding_window: int | None = None, device=None) -> Visibility:
+               sliding_window: int | None = None, query_offset: torch.Tensor | None = None,
+               device=None) -> Visibility:
     """The visibility of ``queries`` queries over the ``keys`` keys a layer attends over (the last of
     them is the last query's own key).
 
@@ -130,11 +149,18 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         position_ids: ``[B or 1, S]`` positions of the queries, or None.
         kwargs: the layer's keyword arguments (``cu_seq_lens_q`` / ``cu_seq_lens_k`` are read).
         sliding_window: ``W`` of a sliding-window layer (keys ``pos - W < s <= pos``), else None.
+        query_offset: a static cache's slot of the first query (0-dim tensor), else None.
     """
     B, S, T = batch, queries, keys
     parts = []  # window starts, [B] or [B, S]
-    key_mask = query_real = cu_seqlens = None
-    if attention_mask is not None:
+    key_mask = query_real = cu_seqlens = query_pos = None
+    qpos = torch.arange(T - S, T, device=device)
+    if query_offset is not None:
+        qpos = query_pos = query_offset.to(device) + torch.arange(S, device=device)
+        written = torch.arange(T, device=device) <= query_pos[-1]
+        key_mask = written.expand(B, T) if attention_mask is None else written & _key_mask(attention_mask, T, True).to(device)
+        query_real = key_mask.gather(1, query_pos.expand(B, S))
+    elif attention_mask is not None:
         key_mask = _key_mask(attention_mask, T).to(device)
         query_real = key_mask[:, T - S :]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -153,9 +179,8 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         if seg is not None:
             parts.append(seg)
     if sliding_window is not None:
-        qpos = torch.arange(T - S, T, device=device)
         parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
-    return Visibility(cu_seqlens, _latest_start(parts, B, S, device), key_mask, query_real)
+    return Visibility(cu_seqlens, _latest_start(parts, B, S, device), key_mask, query_real, query_pos)
 
 
 def window_indices(vis: Visibility, window: int, batch: int, queries: int, keys: int, device) -> torch.Tensor:

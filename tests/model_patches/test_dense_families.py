@@ -354,10 +354,21 @@ def test_deepcopy_of_a_patched_model_is_an_independent_patched_model():
         _close(model(ids).logits, expected, atol=0)
 
 
-def test_static_cache_is_refused_clearly():
-    model = _patched("llama", topk=3)
-    with pytest.raises(TypeError, match="static and quantized caches are not supported"):
-        model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)
+@pytest.mark.parametrize("variant", ALL)
+def test_a_static_cache_generates_as_a_dynamic_one(variant):
+    """Full-attention layers take a static cache (topk < T, left padding); a static sliding-window layer
+    (a rolling buffer) is refused clearly."""
+    model = _patched(variant, topk=3)
+    ids = tokens(2, 6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    with torch.no_grad():
+        if variant.endswith("_sw"):
+            with pytest.raises(TypeError, match="static caches of full-attention layers"):
+                model.generate(ids, cache_implementation="static", **kwargs)
+            return
+        assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
 
 
 def test_peft_wrapped_model_patches_and_trains_the_indexer():
