@@ -4,7 +4,9 @@ A patched layer never builds a ``[B, H, S, T]`` table; when attention weights ar
 aid at small T), this recomputes them: each query's softmax over the keys it attended to (its selection
 in the sparse stage, its window of a sliding-window layer, every visible key in the dense warm-up),
 scattered into the dense layout with zeros elsewhere. Attention sinks take their share as in the
-attention itself, so a row then sums to less than one. No gradient flows through them.
+attention itself, so a row then sums to less than one. As in eager attention, the layer's output is then
+computed from these probabilities (``probabilities @ values``: the same attention, in another order of
+summation), so gradients reach the returned weights.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ def _attended(indices: torch.Tensor | None, vis, B: int, S: int, T: int, device)
     return seen[..., :T]
 
 
-@torch.no_grad()
 def attention_probabilities(q, k, scale: float, attended: torch.Tensor, sinks=None) -> torch.Tensor:
     """fp32 ``[B, H, S, T]`` probabilities of ``q [B, S, H, D]`` over ``k [B, T, Hkv, D]`` restricted to
     ``attended [B, S, T]``; a query that attended to nothing gets a zero row."""
@@ -39,10 +40,18 @@ def attention_probabilities(q, k, scale: float, attended: torch.Tensor, sinks=No
     return torch.exp(logits - norm)
 
 
+def attend_through(probabilities: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H, Dv]`` output of ``probabilities [B, H, S, T]`` over ``values [B, T, Hkv, Dv]``."""
+    H, Hkv = probabilities.shape[1], values.shape[2]
+    v = values.float().repeat_interleave(H // Hkv, dim=2)
+    return torch.einsum("bhst,bthd->bshd", probabilities, v).to(values.dtype)
+
+
 def layer_weights(attention, indices: torch.Tensor | None, vis) -> torch.Tensor:
     """The weights of one patched attention call (``attention``: ``GQAAttention`` or ``MLAAttention``
     after it attended), over the keys it attended to (``indices``, or every visible key when None)."""
     B, S, T = attention.shape
     attended = _attended(indices, vis, B, S, T, attention.device)
-    q, k = attention.target()
-    return attention_probabilities(q, k, attention.scale, attended, getattr(attention, "sinks", None))
+    k = attention.target()[1]
+    return attention_probabilities(attention.differentiable_query(), k, attention.scale, attended,
+                                   getattr(attention, "sinks", None))

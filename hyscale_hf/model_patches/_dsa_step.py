@@ -40,7 +40,7 @@ from ..kernels.windows import chunk_budget_bytes
 from ..replay import replaying, reuse_indices
 from ..state import PatchState, in_backward
 from ..training import observe_selection
-from ._attention_weights import layer_weights
+from ._attention_weights import attend_through, layer_weights
 from ._compaction import Compaction
 from ._visibility import Visibility, padding_mask_only, window_indices
 
@@ -133,6 +133,12 @@ class GQAAttention:
         """The attention's (queries, keys) as the indexer's KL target reads them."""
         return self.q, self.k
 
+    def values(self):
+        return self.v
+
+    def differentiable_query(self):
+        return self.q
+
 
 class MLAAttention:
     """Attention of a native DSA layer in MLA absorbed form.
@@ -169,6 +175,13 @@ class MLAAttention:
 
     def target(self):
         return self.attn_q, self.kv
+
+    def values(self):
+        return self.kv[..., : self.value_dim]
+
+    def differentiable_query(self):
+        """The absorbed query through autograd (the sparse kernel's ``attn_q`` carries no gradient)."""
+        return absorbed_query(self.q_nope, self.q_rot, self.w_uk)
 
     def _with_sinks(self, o, lse, backend: str):
         if self.sinks is None:
@@ -279,13 +292,17 @@ def dsa_attention(
             indices = reuse_indices(prev_indices)
         o, lse = attention.attend_selected(indices, cfg.backend)
         attended = indices
+    probabilities = None
+    if weights:  # output_attentions: the output comes from the probabilities returned, as in eager attention
+        probabilities = layer_weights(attention, attended, vis)
+        o = attend_through(probabilities, attention.values()).to(o.dtype)
     if index is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
         q_and_k, windows = _dense_inputs(attention, index, vis, compaction)
         observe_selection(state, *q_and_k[:5], scale=attention.scale, relu=cfg.relu, **windows)
     out = o if finish is None else finish(o)
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
         out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, compaction, cfg), state)
-    return out, indices, (layer_weights(attention, attended, vis) if weights else None)
+    return out, indices, probabilities
 
 
 def _select(index, vis: Visibility, compaction: Compaction | None, topk: int, cfg) -> torch.Tensor:

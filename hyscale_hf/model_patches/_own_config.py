@@ -9,6 +9,11 @@ modules, and a later model would read the patch's records. Before any change, th
 deep-copies the model's config (its sub-configs with it) and points every module of the model that
 held the original (or one of its sub-configs) at the copy.
 
+The copy also lets ``output_attentions`` be set on it: Transformers' config refuses that flag unless
+the attention implementation is "eager", and a patched model returns its attention probabilities
+too (``_attention_weights``). Its class becomes a subclass of the original class, of the same name, that
+accepts the flag under ``ATTN_IMPLEMENTATION`` as well.
+
 Unpatching points the modules back at the original objects. Edits made through the patched model
 (``model.config.use_cache = False`` while training, say) are carried over to the original then, as if
 they had been made on it: after the patch's own changes are undone, every attribute of a copy that
@@ -21,6 +26,36 @@ import copy
 
 from torch import nn
 from transformers import PretrainedConfig
+
+from ._dsa_step import ATTN_IMPLEMENTATION
+
+_PERMISSIVE: dict[type, type] = {}
+
+
+def _accepting_output_attentions(cls: type) -> type:
+    """``cls`` with ``output_attentions`` allowed under ``ATTN_IMPLEMENTATION`` too (same name, so that
+    Transformers' auto mappings, which look classes up by name, still find it)."""
+    if cls in _PERMISSIVE.values() or not isinstance(getattr(cls, "output_attentions", None), property):
+        return cls
+    if cls not in _PERMISSIVE:
+        base_property = cls.output_attentions
+
+        def set_output_attentions(self, value):
+            if value and self._attn_implementation == ATTN_IMPLEMENTATION:
+                self._output_attentions = value
+            else:
+                base_property.fset(self, value)
+
+        def validate_output_attentions(self):
+            if self._attn_implementation != ATTN_IMPLEMENTATION:
+                cls.validate_output_attentions(self)
+
+        namespace = {"output_attentions": property(base_property.fget, set_output_attentions),
+                     "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        if hasattr(cls, "validate_output_attentions"):
+            namespace["validate_output_attentions"] = validate_output_attentions
+        _PERMISSIVE[cls] = type(cls.__name__, (cls,), namespace)
+    return _PERMISSIVE[cls]
 
 
 def _equal(a, b) -> bool:
@@ -62,6 +97,8 @@ def give_own_config(root: nn.Module, config: PretrainedConfig) -> RestoreConfigs
     originals = {id(o): o for o in _configs_in(config)}
     copies = {key: memo[key] for key in originals}
     pairs = [(originals[key], own, copy.deepcopy(own.__dict__)) for key, own in copies.items()]
+    for own in copies.values():
+        own.__class__ = _accepting_output_attentions(type(own))
     swaps = []
     for module in root.modules():
         for name, value in list(vars(module).items()):

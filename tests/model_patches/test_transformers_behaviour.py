@@ -234,3 +234,22 @@ def test_init_weights_gives_the_added_indexer_its_prior():
     pat.initialize_weights()
     for n, p in pat.named_parameters():
         assert torch.equal(p, first[n]), n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_attentions_keep_the_gradients_and_can_be_set_on_the_config(family):
+    """As with eager attention: the output is computed from the returned probabilities (gradients reach
+    them and the inputs alike), and config.output_attentions works on a patched model's config."""
+    ref, pat = _pair(family, topk=64)
+    pat.train()
+    ref.train()
+    x = _ids(2, 6)
+    out = pat(x, labels=x, output_attentions=True)
+    out.attentions[0].retain_grad()
+    out.loss.backward()
+    assert out.attentions[0].grad is not None
+    ref(x, labels=x).loss.backward()
+    dsa_checks.assert_grads_close(ref, pat)
+    pat.config.output_attentions = True
+    with torch.no_grad():
+        assert len(pat(x).attentions) == pat.config.num_hidden_layers
