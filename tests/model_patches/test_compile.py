@@ -46,3 +46,38 @@ def test_a_training_step_compiles_with_fullgraph(make):
     assert grads.keys() == eager_grads.keys() and any(".indexer." in n for n in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, eager_grads[name], msg=name)
+
+
+def _decode(model, compiled_forward, cache, ids, mask, steps):
+    """Greedy tokens: an eager prefill over ``cache``, then ``steps`` decode steps through ``compiled_forward``."""
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        tokens = [out.logits[:, -1].argmax(-1)]
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = compiled_forward(tokens[-1][:, None], attention_mask=mask, cache=cache, use_cache=True)
+            tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.stack(tokens, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v32"])
+def test_decoding_compiles_with_fullgraph(family):
+    """Compiled decode steps (as generate() compiles them) equal eager ones: a dense family on a static
+    cache, a DSA family on a dynamic one (its cache grows, so each step compiles anew here)."""
+    from transformers import DynamicCache, StaticCache
+
+    torch._dynamo.reset()
+    if family == "llama":
+        model = hyscale_hf.patch_model(tiny_model("llama"), topk=3, **INDEXER).eval()
+        new_cache = lambda: StaticCache(config=model.config, max_cache_len=16)  # noqa: E731
+    else:
+        if not has_family(family):
+            pytest.skip(f"the installed Transformers has no {family}")
+        model = hyscale_hf.patch_model(build(family, index_topk=3)[0], backend="torch")
+        new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
+    ids = tokens(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    expected = _decode(model, model.forward, new_cache(), ids, mask, steps=2)
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager", dynamic=False)
+    assert torch.equal(_decode(model, compiled, new_cache(), ids, mask, steps=2), expected)
