@@ -81,13 +81,23 @@ def is_patched(model: torch.nn.Module) -> bool:
     return patch_state(model) is not None
 
 
-def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **overrides) -> torch.nn.Module:
+def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, *, state_dict: dict | None = None,
+                **overrides) -> torch.nn.Module:
     """Patch ``model`` in place for hyscale_hf and return it.
 
     ``config`` with ``overrides`` applied (``topk=...`` etc.). Without ``config``: the options a
     saved patched model was saved with (``model.config.hyscale_config``, written to config.json by
     ``save_pretrained``), else ``HyScaleConfig()``. Raises ``ValueError`` for an unsupported model
     type (listing the supported ones) or a model that is already patched.
+
+    ``state_dict``: the state dict a dense model was loaded from (``from_pretrained(None, config=...,
+    state_dict=sd)``, or your own): its indexer tensors (``*.indexer.*``), which ``from_pretrained``
+    drops because the unpatched class has no indexer, are copied into the added indexers. A native DSA
+    model's indexers are part of its checkpoint, so it takes none.
+
+    The patched model gets its own copy of its config (``model.config`` is no longer the object it was
+    built from), so patching it changes no other model that shares that object;
+    ``unpatch_model`` puts the original back.
     """
     if config is not None and not isinstance(config, HyScaleConfig):
         raise TypeError(f"config must be a HyScaleConfig or None, got {type(config).__name__}")
@@ -99,8 +109,25 @@ def patch_model(model: torch.nn.Module, config: HyScaleConfig | None = None, **o
     if is_patched(target):
         raise ValueError("model is already patched; call hyscale_hf.unpatch_model(model) first")
     family = family_of(model_config.model_type)
-    state = PatchState(config=cfg, family=family)
-    undo = family.apply(target, state)
+    if state_dict is not None and not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict of tensors (a model's state_dict()), got {type(state_dict).__name__}")
+    if state_dict is not None and family.kind != "dense":
+        raise ValueError(f"state_dict is for the indexers patch_model adds to dense models; a {model_config.model_type} "
+                         "model's own indexers are part of its checkpoint (from_pretrained loads them)")
+    state = PatchState(config=cfg, family=family, load_from=state_dict)
+    # The patch writes into the model's config; another model sharing that object must not see it.
+    from .model_patches._own_config import give_own_config
+
+    state.undo.append(give_own_config(model, model_config))
+    model_config = target.config
+    try:
+        undo = family.apply(target, state)
+    except BaseException:
+        for step in reversed(state.undo):
+            step()
+        raise
+    finally:
+        state.load_from = None  # never kept: the model would hold a second copy of the tensors
     state.undo.append(undo)
     setattr(target, STATE_ATTR, state)
     state.undo.append(set_record(model_config, CONFIG_RECORD, LiveRecord({}, _ConfigSnapshot(state))))

@@ -22,7 +22,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .kernels.topk import hytopk_op, selection_counts
@@ -190,6 +194,13 @@ class ReplayContextFn:
 
     def __repr__(self) -> str:
         return f"ReplayContextFn(layer={self.layer!r})"
+
+
+def replaying() -> bool:
+    """True inside the recompute of a checkpoint that replays selections (a ``ReplayContextFn``'s
+    recompute mode is on the dispatch stack). A selection op that runs in backward while this is False
+    was recomputed by a checkpoint without the replay context (reentrant, or no ``context_fn``)."""
+    return any(isinstance(mode, _ReplayRecomputeMode) for mode in _get_current_dispatch_mode_stack())
 
 
 def replay_context_fn(layer: str = "<checkpointed region>", verify: bool = False) -> ReplayContextFn:

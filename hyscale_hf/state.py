@@ -43,6 +43,8 @@ build no autograd graph outside the indexer (``indexer.before_forward``). ``sele
     pending_losses: list[torch.Tensor] = field(default_factory=list)
     base_frozen: bool = False
     selection_probe: Callable[..., None] | None = None
+    warned: set[str] = field(default_factory=set)  # keys of the warnings this model gave (each once)
+    load_from: dict | None = None  # patch_model(state_dict=...): set only while the family applies the patch
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())
@@ -82,5 +84,11 @@ def add_undo(model: torch.nn.Module, undo: Callable[[], None]) -> None:
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward pass: checkpoint recomputation happens there."""
+    """True while autograd runs a backward pass: checkpoint recomputation happens there.
+
+    False while ``torch.compile`` traces: the traced code is the forward (a compiled graph recomputes
+    checkpointed regions itself, without running this Python again), and dynamo cannot trace the query.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1

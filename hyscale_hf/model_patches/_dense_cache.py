@@ -7,14 +7,27 @@ is used, its class is swapped *for that one object* to a subclass that also carr
 keys (beam reordering, cropping for assisted decoding, batch repeat/select, reset, offloading) to
 them too. A new ``generate()`` call builds a new cache, so nothing leaks between calls; a cache the
 user passes back in continues where it stopped. Supported layers: ``DynamicLayer`` and its
-subclasses that keep their keys in ``.keys`` (``DynamicSlidingWindowLayer``). Static and quantized
-layers (whose returned keys are not the retained tokens in order) are refused with a clear error.
+subclasses that keep their keys in ``.keys`` (``DynamicSlidingWindowLayer``). Quantized and static
+sliding-window layers (whose returned keys are not the retained tokens in order) are refused with a
+clear error.
+
+Static caches (``StaticLayer``: preallocated buffers filled in place, for ``torch.compile``) return all
+``max_cache_len`` slots with the filled ones first. Their layer objects become Transformers' own
+``StaticIndexedLayer`` (a subclass of ``StaticLayer`` with a preallocated indexer-key buffer, written
+in place and kept in step by its crop / reset / reorder), the layout DSA models use; the patched layer
+then sees ``max_cache_len`` keys whose unfilled slots are invisible and its queries at the slots the
+cache just wrote (``static_query_offset``: a device tensor, so compiled decoding never syncs).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer, StaticSlidingWindowLayer
+
+try:  # Transformers' static layer with an indexer-key buffer (DSA models); absent from older releases
+    from transformers.cache_utils import StaticIndexedLayer
+except ImportError:  # pragma: no cover
+    StaticIndexedLayer = None
 
 
 class _IndexerKeysMixin(CacheLayerMixin):
@@ -119,6 +132,35 @@ def _is_supported(layer) -> bool:
     return isinstance(layer, DynamicLayer) and not any("Quantized" in c.__name__ for c in type(layer).__mro__)
 
 
+def is_static_layer(cache, layer_idx: int) -> bool:
+    """Whether the cache layer of ``layer_idx`` is a (full-attention) static layer."""
+    layers = getattr(cache, "layers", None)
+    return layers is not None and layer_idx < len(layers) and isinstance(layers[layer_idx], StaticLayer)
+
+
+def static_index_keys(cache, layer_idx: int, new_keys: torch.Tensor) -> torch.Tensor:
+    """Write this call's indexer keys ``[B, S, D]`` into a static layer's indexer buffer; returns the whole
+    buffer ``[B, max_cache_len, D]`` (its unfilled slots are invisible to every query)."""
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, StaticSlidingWindowLayer) or StaticIndexedLayer is None:
+        raise TypeError(
+            f"hyscale_hf dense patches support static caches of full-attention layers (Transformers >= 5.2x with "
+            f"StaticIndexedLayer); layer {layer_idx} of the cache is a {type(layer).__name__}"
+        )
+    if not isinstance(layer, StaticIndexedLayer):
+        # A subclass of StaticLayer with extra attributes only, so the object's layout stays valid.
+        layer.__class__ = StaticIndexedLayer
+        layer.indexer_keys = layer.indexer_position_ids = layer.indexer_cumulative_length = None
+        layer.is_indexer_initialized = False
+    return layer.update_indexer(new_keys.detach())
+
+
+def static_query_offset(cache, layer_idx: int, queries: int) -> torch.Tensor:
+    """The slot of this call's first query in a static layer (0-dim device tensor), after the layer's
+    ``update`` wrote them."""
+    return cache.layers[layer_idx].cumulative_length - queries
+
+
 def indexer_cache_layer(cache, layer_idx: int):
     """The cache layer of ``layer_idx``, given indexer-key support on first use."""
     layers = getattr(cache, "layers", None)
@@ -133,7 +175,7 @@ def indexer_cache_layer(cache, layer_idx: int):
     if not _is_supported(layer):
         raise TypeError(
             f"hyscale_hf dense patches support DynamicCache layers (full or sliding window); layer {layer_idx} "
-            f"of the cache is a {type(layer).__name__} (static and quantized caches are not supported)"
+            f"of the cache is a {type(layer).__name__} (quantized caches are not supported)"
         )
     layer.__class__ = _indexed_class(type(layer))
     layer.hyscale_index_keys = None

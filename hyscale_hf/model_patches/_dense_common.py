@@ -33,10 +33,16 @@ from torch import nn
 from ..indexer import LightningIndexer
 from ..records import LiveRecord, set_record
 from ..state import PatchState
-from ._dense_cache import indexer_cache_layer
-from ._dense_weights import RECORD_ATTR, load_saved_indexers
-from ._dsa_patch import LAYER_STATE, PatchUndo, patch_attention, resolve_indexer_options
-from ._dsa_step import CALL_KWARG, GQAAttention, dsa_attention
+from ._dense_cache import indexer_cache_layer, is_static_layer, static_index_keys, static_query_offset
+from ._dense_weights import RECORD_ATTR, InitWithIndexers, copy_indexer_tensors, load_saved_indexers
+from ._dsa_patch import (
+    LAYER_STATE,
+    PatchUndo,
+    check_attn_implementation,
+    patch_attention,
+    resolve_indexer_options,
+)
+from ._dsa_step import CALL_KWARG, GQAAttention, dsa_attention, wants_weights
 from ._visibility import visibility
 
 # Floors of the indexer shape: the Triton HyTopK kernels take at least 2 heads of at least 16 dims.
@@ -87,15 +93,20 @@ class _LayerCall:
             scaling = query.shape[-1] ** -0.5
         cos_sin = self.position_embeddings if self.position_embeddings is not None else (None, None)
         iq, ik, iw = module.indexer(self.hidden_states.detach(), *cos_sin)
-        if self.cache is not None:
+        query_offset = None
+        if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
+            ik = static_index_keys(self.cache, module.layer_idx, ik)
+            query_offset = static_query_offset(self.cache, module.layer_idx, S)
+        elif self.cache is not None:
             ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
         elif T != S:
             raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
         vis = visibility(attention_mask, kwargs.get("position_ids"), kwargs, B, S, T, sliding_window=sliding_window,
-                         device=query.device)
+                         query_offset=query_offset, device=query.device)
         attention = GQAAttention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)
-        out, _ = dsa_attention(attention, self.state, vis, index=(iq, ik, iw), training=module.training)
-        return out, None
+        out, _, weights = dsa_attention(attention, self.state, vis, index=(iq, ik, iw), training=module.training,
+                                        weights=wants_weights(module, kwargs))
+        return out, weights
 
 
 def _patched_forward(self, *args, **kwargs):
@@ -104,6 +115,7 @@ def _patched_forward(self, *args, **kwargs):
     The attention signature is ``(hidden_states, position_embeddings, attention_mask, cache, **kwargs)``
     in every dense family; the cache argument is ``past_key_values`` before Transformers 5.18.
     """
+    check_attn_implementation(self)  # else the family's forward would run plain attention, without the indexer
     hidden = args[0] if args else kwargs["hidden_states"]
     pos_emb = args[1] if len(args) > 1 else kwargs.get("position_embeddings")
     cache = args[3] if len(args) > 3 else kwargs.get("cache", kwargs.get("past_key_values"))
@@ -125,6 +137,10 @@ def _attention_shape(model_config) -> tuple[int, int]:
     heads = int(model_config.num_attention_heads)
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     return heads, int(head_dim)
+
+
+def _on_meta(indexers: dict) -> bool:
+    return any(p.device.type == "meta" for m in indexers.values() for p in m.parameters())
 
 
 def make_dense_apply(attention_cls: type, apply_rotary):
@@ -157,8 +173,18 @@ def make_dense_apply(attention_cls: type, apply_rotary):
 
         def finish(undo: PatchUndo) -> None:
             undo.add(set_record(config, RECORD_ATTR, LiveRecord({"kind": "dense", **settings})))
-            if saved is not None:  # the checkpoint holds trained indexers: load them
-                load_saved_indexers(model, {name: m.indexer for name, m in attns})
+            for owner in model.modules():  # the model and the Transformers models inside it
+                if callable(getattr(owner, "_init_weights", None)):
+                    undo.set_attr(owner, "_init_weights",
+                                  InitWithIndexers(owner, LightningIndexer, owner.__dict__.get("_init_weights")))
+            indexers = {name: m.indexer for name, m in attns}
+            given = state.load_from
+            if given is not None and (saved is not None or any(".indexer." in key for key in given)):
+                copy_indexer_tensors(model, indexers, given, "the state_dict passed to patch_model")
+            elif saved is not None and not _on_meta(indexers):
+                # The checkpoint holds trained indexers: load them. (A model patched on the meta device,
+                # as inside from_pretrained, gets them from from_pretrained's own loading.)
+                load_saved_indexers(model, indexers)
 
         return patch_attention(model, state, [m for _, m in attns], _patched_forward, prepare=prepare, finish=finish)
 

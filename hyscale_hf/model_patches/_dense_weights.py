@@ -95,6 +95,12 @@ def load_saved_indexers(model: nn.Module, indexers: dict[str, nn.Module]) -> Non
             for key in f.keys():
                 if ".indexer." in key:
                     saved[key] = f.get_tensor(key)
+    copy_indexer_tensors(model, indexers, saved, getattr(model, "name_or_path", "") or "the checkpoint")
+
+
+def copy_indexer_tensors(model: nn.Module, indexers: dict[str, nn.Module], saved: dict, source: str) -> None:
+    """Copy each indexer's tensors from ``saved`` (a state dict, or a checkpoint's indexer tensors);
+    every one must be there with its shape."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     missing, wrong = [], []
     with torch.no_grad():
@@ -122,4 +128,38 @@ def load_saved_indexers(model: nn.Module, indexers: dict[str, nn.Module]) -> Non
         "hyscale_hf: restored the %d trained indexer tensors (%d layers) from %s. Transformers' load report above "
         "lists them as UNEXPECTED because the unpatched model class has no indexer; patch_model added the indexers "
         "and loaded them, so the patched model is complete.", sum(len(i.state_dict()) for i in indexers.values()),
-        len(indexers), getattr(model, "name_or_path", "") or "the checkpoint")
+        len(indexers), source)
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+def init_indexer(indexer: nn.Module) -> None:
+    """``LightningIndexer.reset_parameters`` (its locality prior) for the parameters Transformers has not
+    marked as loaded (``_is_hf_initialized``): what ``_init_weights`` must do for a module it does not know."""
+    params = dict(indexer.named_parameters())
+    loaded = {n: p.detach().clone() for n, p in params.items() if getattr(p, "_is_hf_initialized", False)}
+    if len(loaded) == len(params):
+        return
+    indexer.reset_parameters()
+    with torch.no_grad():
+        for name, value in loaded.items():
+            params[name].copy_(value)
+
+
+class InitWithIndexers:
+    """``_init_weights`` of a patched dense model: Transformers initialises the modules it knows (the
+    indexer's Linear and LayerNorm among them, with its generic rule) and then calls this on each of
+    their parents, so an added ``LightningIndexer`` gets its own prior last (``from_pretrained`` with
+    indexer tensors missing, ``model.init_weights()``). An object, so ``copy.deepcopy`` follows the copy."""
+
+    def __init__(self, owner: nn.Module, indexer_type: type, previous=None) -> None:
+        self.owner, self.indexer_type, self.previous = owner, indexer_type, previous
+
+    def __call__(self, module: nn.Module) -> None:
+        if isinstance(module, self.indexer_type):
+            init_indexer(module)
+        elif self.previous is not None:
+            self.previous(module)
+        else:
+            type(self.owner)._init_weights(self.owner, module)

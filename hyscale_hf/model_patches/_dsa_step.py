@@ -24,6 +24,7 @@ hands its layer call in through ``CALL_KWARG``); it refuses any module that hysc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,9 +37,11 @@ from ..indexer import attach_indexer_loss
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
-from ..replay import reuse_indices
-from ..state import PatchState
+from ..replay import replaying, reuse_indices
+from ..state import PatchState, in_backward
 from ..training import observe_selection
+from ._attention_weights import attend_through, layer_weights
+from ._compaction import Compaction
 from ._visibility import Visibility, padding_mask_only, window_indices
 
 ATTN_IMPLEMENTATION = "hyscale_dsa"
@@ -71,6 +74,13 @@ def register_attention_implementation() -> None:
 register_attention_implementation()
 
 
+def wants_weights(module, kwargs: dict) -> bool:
+    """Whether this call should return its attention probabilities: ``output_attentions`` as the model's
+    forward received it (it reaches the layers in their keyword arguments), else the config's."""
+    flag = kwargs.get("output_attentions")
+    return bool(getattr(module.config, "output_attentions", False) if flag is None else flag)
+
+
 # ----------------------------------------------------------------------------- the two attention forms
 
 
@@ -90,26 +100,44 @@ class GQAAttention:
     attend_window = attend_selected
 
     def attend_all(self, vis: Visibility, backend: str):
-        """Every visible key, through SDPA (a boolean ``[B, 1, S, T]`` mask only when padding, packing or a
-        window needs one, as the family's own sdpa path does); no lse."""
+        """Every visible key, through SDPA; no lse. Plain causal inputs use ``is_causal``; anything else a
+        boolean mask a query chunk at a time (each chunk checkpointed when there are several, so memory
+        stays O(chunk * T))."""
         B, S, T = self.shape
         qt, kt, vt = self.q.transpose(1, 2), self.k.transpose(1, 2), self.v.transpose(1, 2)
-        plain = vis.cu_seqlens is None and vis.window_start is None and vis.key_end is None
-        if plain and (S == T or S == 1):
+        if vis.plain and (S == T or S == 1):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=S > 1, scale=self.scale, enable_gqa=True)
             return o.transpose(1, 2), None
         start, end = vis.windows(B, S, T, self.device)
-        s = torch.arange(T, device=self.device)
-        visible = (s >= start[..., None]) & (s <= end[..., None])  # [B, S, T]
-        no_key = ~visible.any(-1)
-        # A query with no visible key (left padding) attends to key 0 so softmax stays finite; zeroed below.
-        visible = visible | (no_key[..., None] & (s == 0))
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible[:, None], scale=self.scale, enable_gqa=True)
-        return o.transpose(1, 2).masked_fill(no_key[..., None, None], 0.0), None
+        chunk = max(1, chunk_budget_bytes(self.device) // max(1, 4 * B * qt.shape[1] * T))  # [B, H, c, T] fp32
+
+        def block(qc, kc, vc, st, en):
+            visible = vis.visible(st, en, 0, kc.shape[2])
+            no_key = ~visible.any(-1)
+            # A query with no visible key (leading padding) attends to key 0 so softmax stays finite; zeroed below.
+            visible = visible | (no_key[..., None] & (torch.arange(kc.shape[2], device=kc.device) == 0))
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=visible[:, None], scale=self.scale,
+                                               enable_gqa=True)
+            return o.masked_fill(no_key[:, None, :, None], 0.0)
+
+        outs = []
+        for c0 in range(0, S, chunk):
+            c1 = min(S, c0 + chunk)
+            hi = vis.last_key(T, S, c1)  # no query of the chunk sees a key past its last one
+            args = (qt[:, :, c0:c1], kt[:, :, :hi], vt[:, :, :hi], start[:, c0:c1], end[:, c0:c1])
+            several = chunk < S and torch.is_grad_enabled()
+            outs.append(checkpoint(block, *args, use_reentrant=False) if several else block(*args))
+        return torch.cat(outs, dim=2).transpose(1, 2), None
 
     def target(self):
         """The attention's (queries, keys) as the indexer's KL target reads them."""
         return self.q, self.k
+
+    def values(self):
+        return self.v
+
+    def differentiable_query(self):
+        return self.q
 
 
 class MLAAttention:
@@ -148,6 +176,13 @@ class MLAAttention:
     def target(self):
         return self.attn_q, self.kv
 
+    def values(self):
+        return self.kv[..., : self.value_dim]
+
+    def differentiable_query(self):
+        """The absorbed query through autograd (the sparse kernel's ``attn_q`` carries no gradient)."""
+        return absorbed_query(self.q_nope, self.q_rot, self.w_uk)
+
     def _with_sinks(self, o, lse, backend: str):
         if self.sinks is None:
             return o, lse
@@ -170,8 +205,7 @@ def _dense_mla(q, k, value_dim: int, scale: float, vis: Visibility, want_lse: bo
     """
     B, S, H, _ = q.shape
     T = k.shape[1]
-    plain = vis.cu_seqlens is None and vis.window_start is None and vis.key_end is None
-    if plain and S == T and not want_lse:
+    if vis.plain and S == T and not want_lse:
         qt = q.transpose(1, 2)
         kt = k.transpose(1, 2).expand(B, H, T, k.shape[-1])
         o = F.scaled_dot_product_attention(qt, kt, kt[..., :value_dim], is_causal=True, scale=scale)
@@ -181,10 +215,8 @@ def _dense_mla(q, k, value_dim: int, scale: float, vis: Visibility, want_lse: bo
     outs, lses = [], []
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
-        lo, hi = int(start[:, c0:c1].min()), int(end[:, c0:c1].max()) + 1
-        hi = max(hi, lo + 1)
-        keys = torch.arange(lo, hi, device=q.device)
-        visible = (keys >= start[:, c0:c1, None]) & (keys <= end[:, c0:c1, None])  # [B, c, W]
+        lo, hi = 0, vis.last_key(T, S, c1)  # bounds known without reading the windows (no host sync)
+        visible = vis.visible(start[:, c0:c1], end[:, c0:c1], lo, hi)  # [B, c, W]
 
         def block(qc, kc, visible=visible):
             logits = torch.einsum("bchd,bkd->bchk", qc.float(), kc.float()) * scale
@@ -216,6 +248,7 @@ def dsa_attention(
     window: int | None = None,
     training: bool = False,
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weights: bool = False,
 ):
     """One attention step of a patched layer; reads the live ``state.config`` (stage, topk, backend).
 
@@ -230,56 +263,110 @@ def dsa_attention(
         training: the module's training flag (the indexer loss is added only when training with grad).
         finish: maps the attention output ``o [B, S, H, Dv]`` to the layer output the loss rides on
             (MLA: ``W_UV``, gates and ``o_proj``); identity when None.
+        weights: also return the attention probabilities (``output_attentions=True``).
 
     Returns:
-        ``(output, indices)``: indices int32 ``[B, S, K]`` of the sparse stage (None otherwise).
+        ``(output, indices, probabilities)``: indices int32 ``[B, S, K]`` of the sparse stage (None
+        otherwise); probabilities fp32 ``[B, H, S, T]`` when ``weights``, else None.
     """
     cfg = state.config
     B, S, T = attention.shape
-    indices = None
+    indices = attended = None  # attended: the keys each query attended to, as indices (None: all visible)
+    compaction = None
+    if index is not None and vis.key_mask is not None:  # a padding mask: select in compacted order
+        compaction = Compaction(vis.key_mask, vis.windows(B, S, T, attention.device)[0], S, vis.query_pos)
     if index is None and not shared and window is not None:
-        o, lse = attention.attend_window(window_indices(vis, window, B, S, T, attention.device), cfg.backend)
+        attended = window_indices(vis, window, B, S, T, attention.device)
+        o, lse = attention.attend_window(attended, cfg.backend)
     elif cfg.dense_warmup or (index is None and not shared):  # warm-up, or a layer without DSA
         o, lse = attention.attend_all(vis, cfg.backend)
     else:
         if index is not None:
-            iq, ik, iw = index
             # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
-            indices = hytopk(iq.detach(), ik.detach(), iw.detach(), min(int(cfg.topk), T), cu_seqlens=vis.cu_seqlens,
-                             window_start=vis.window_start, relu=cfg.relu, backend=cfg.backend)
-            if vis.key_end is not None:  # right padding: only padding queries could have picked padding keys
-                indices = indices.masked_fill(indices > vis.key_end[:, None, None].to(indices.dtype), -1)
+            indices = _select(index, vis, compaction, min(int(cfg.topk), T), cfg)
+            if cfg.selection_replay and in_backward() and not replaying():
+                _warn_selection_recomputed(state)
         elif prev_indices is None:
             raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
         else:
             indices = reuse_indices(prev_indices)
         o, lse = attention.attend_selected(indices, cfg.backend)
+        attended = indices
+    probabilities = None
+    if weights:  # output_attentions: the output comes from the probabilities returned, as in eager attention
+        probabilities = layer_weights(attention, attended, vis)
+        o = attend_through(probabilities, attention.values()).to(o.dtype)
     if index is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
-        attn_q, attn_k = attention.target()
-        observe_selection(state, *index, attn_q, attn_k, scale=attention.scale, relu=cfg.relu,
-                          cu_seqlens=vis.cu_seqlens, window_start=vis.window_start)
+        q_and_k, windows = _dense_inputs(attention, index, vis, compaction)
+        observe_selection(state, *q_and_k[:5], scale=attention.scale, relu=cfg.relu, **windows)
     out = o if finish is None else finish(o)
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
-        out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, cfg), state)
-    return out, indices
+        out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, compaction, cfg), state)
+    return out, indices, probabilities
 
 
-def _indexer_loss(attention, index, indices, lse, vis: Visibility, cfg) -> torch.Tensor:
+def _select(index, vis: Visibility, compaction: Compaction | None, topk: int, cfg) -> torch.Tensor:
+    """The layer's selection: hytopk on the indexer's detached outputs, in compacted order under a
+    padding mask (exact top-k among each real query's visible keys; ``_compaction``)."""
+    iq, ik, iw = (t.detach() for t in index)
+    if compaction is None:
+        return hytopk(iq, ik, iw, topk, cu_seqlens=vis.cu_seqlens, window_start=vis.window_start, relu=cfg.relu,
+                      backend=cfg.backend)
+    c = compaction
+    indices = hytopk(c.queries(iq), c.keys(ik), c.queries(iw), topk, window_start=c.window_start, relu=cfg.relu,
+                     backend=cfg.backend)
+    return c.to_original(indices)
+
+
+def _dense_inputs(attention, index, vis: Visibility, compaction: Compaction | None, lse=None):
+    """``((index q, k, w, attention q, k, lse), windows)`` as the ops that score every visible key take
+    them (the dense KL and the recall probe): in compacted order under a padding mask."""
+    attn_q, attn_k = attention.target()
+    tensors = (*index, attn_q, attn_k, lse)
+    if compaction is None:
+        return tensors, {"cu_seqlens": vis.cu_seqlens, "window_start": vis.window_start}
+    c = compaction
+    iq, ik, iw = index
+    moved = (c.queries(iq), c.keys(ik), c.queries(iw), c.queries(attn_q), c.keys(attn_k),
+             None if lse is None else c.queries(lse))
+    return moved, {"cu_seqlens": None, "window_start": c.window_start}
+
+
+_RECOMPUTED = (
+    "hyscale_hf: the indexer and its top-k ran again in a checkpoint recompute. This checkpoint does not "
+    "replay selections: reentrant checkpointing (use_reentrant=True), a checkpoint function set by hand "
+    "on a layer (_gradient_checkpointing_func), or your own torch.utils.checkpoint call without "
+    "context_fn=hyscale_hf.replay_context_fn(). Backward then repeats the O(T^2) selection and may see "
+    "a different one than the forward used. Use Transformers' gradient_checkpointing_enable() (replay "
+    "is wired into it), pass replay_context_fn() to non-reentrant checkpoint calls, or patch with "
+    "selection_replay=False to recompute on purpose (which silences this warning)."
+)
+
+
+def _warn_selection_recomputed(state: PatchState) -> None:
+    """Warn once per patched model that a checkpoint recompute ran the selection instead of replaying it."""
+    if "recomputed_selection" not in state.warned:
+        state.warned.add("recomputed_selection")
+        warnings.warn(_RECOMPUTED, UserWarning, stacklevel=3)
+
+
+def _indexer_loss(attention, index, indices, lse, vis: Visibility, compaction: Compaction | None, cfg) -> torch.Tensor:
     """The indexer KL (fp32 scalar, mean over the real queries that have a key): on each query's selected
     set in the sparse stage, over every visible key in the dense warm-up."""
     iq, ik, iw = index
-    attn_q, attn_k = attention.target()
     if indices is not None:
+        attn_q, attn_k = attention.target()
         if vis.query_real is not None:  # padding queries are no training signal
             indices = indices.masked_fill(~vis.query_real[..., None], -1)
         return indexer_kl_loss(iq, ik, iw, attn_q, attn_k, indices, attn_lse=lse, scale=attention.scale,
                                relu=cfg.relu, backend=cfg.backend)
+    (iq, ik, iw, attn_q, attn_k, lse), windows = _dense_inputs(attention, index, vis, compaction, lse)
     kl = indexer_kl_loss(iq, ik, iw, attn_q, attn_k, None, attn_lse=lse, scale=attention.scale, relu=cfg.relu,
-                         cu_seqlens=vis.cu_seqlens, window_start=vis.window_start, reduction="none",
-                         backend=cfg.backend)
-    B, S, T = attention.shape
-    start, end = vis.windows(B, S, T, iq.device)
-    counted = end >= start
-    if vis.query_real is not None:
-        counted = counted & vis.query_real
+                         reduction="none", backend=cfg.backend, **windows)
+    if compaction is not None:
+        counted = compaction.real_slot  # a real query always sees itself
+    else:
+        B, S, T = attention.shape
+        start, end = vis.windows(B, S, T, iq.device)
+        counted = end >= start
     return (kl * counted).sum() / counted.sum().clamp_min(1)

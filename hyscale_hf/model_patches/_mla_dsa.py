@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from ..state import PatchState
-from ._dsa_patch import patch_attention, resolve_indexer_options
-from ._dsa_step import MLAAttention, dsa_attention
+from ._dsa_patch import check_attn_implementation, patch_attention, resolve_indexer_options
+from ._dsa_step import MLAAttention, dsa_attention, wants_weights
 from ._visibility import visibility
 
 # ----------------------------------------------------------------------------- family hooks
@@ -225,6 +225,7 @@ def mla_dsa_attention_forward(
     Accepts both cache keyword names (``past_key_values`` on Transformers 5.17, ``cache`` later).
     Returns ``(attn_output, None, topk_indices)`` for IndexShare families, else ``(attn_output, None)``.
     """
+    check_attn_implementation(self)
     family: MLADSAFamily = self._hyscale_family
     state: PatchState = self._hyscale_state
     if cache is None:
@@ -273,13 +274,13 @@ def mla_dsa_attention_forward(
         o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
         return self.o_proj(family.finish_output(self, x, o, gate))
 
-    attn_output, topk_indices = dsa_attention(
+    attn_output, topk_indices, weights = dsa_attention(
         attention, state, vis, index=index, shared=shared_layer, prev_indices=prev_topk_indices, window=window,
-        training=self.training, finish=finish,
+        training=self.training, finish=finish, weights=wants_weights(self, kwargs),
     )
     if family.returns_indices:
-        return attn_output, None, topk_indices
-    return attn_output, None
+        return attn_output, weights, topk_indices
+    return attn_output, weights
 
 
 # ----------------------------------------------------------------------------- apply

@@ -276,6 +276,27 @@ def check_right_padding(model_type: str) -> None:
     assert_close(out_ref[mask.bool()], out_pat[mask.bool()], what="right padding")
 
 
+def check_mask_with_holes(model_type: str) -> None:
+    """A padding mask of any pattern (zeros after a right-padded prompt, holes): with topk < T the real
+    queries select the unpatched top-k among their visible keys, so their logits match; with topk >= T
+    every query that has a visible key matches (padding queries attend to the real keys before them)."""
+    x = tokens(3, 16, seed=9)
+    mask = torch.ones_like(x)
+    mask[0, 5:8] = 0  # a hole
+    mask[1, 10:13] = 0  # a right-padded prompt, then generated tokens
+    mask[2, ::3] = 0  # many holes
+    mask[2, 1] = 1
+    real = mask.bool()
+    for topk, where in ((5, real), (64, torch.arange(16) >= 1)):
+        ref, _ = build(model_type, index_topk=topk)
+        pat = patched_copy(ref)
+        with torch.no_grad():
+            out_ref = ref(x, attention_mask=mask).logits
+            out_pat = pat(x, attention_mask=mask).logits
+        where = where.expand_as(mask)
+        assert_close(out_ref[where], out_pat[where], what=f"mask with holes, topk={topk}")
+
+
 def check_indexer_isolation(model_type: str) -> None:
     """The LM loss never reaches the indexer, the indexer loss never reaches the rest of the model."""
     ref, _ = build(model_type, index_topk=5)

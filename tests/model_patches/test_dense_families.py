@@ -257,11 +257,32 @@ def test_left_and_right_padding_match_unpadded_rows(variant):
     _close(left[1:, 3:], lb)
 
 
-def test_mask_with_holes_is_refused():
-    model = _patched("llama", topk=3)
-    ids = tokens(1, 6)
-    with pytest.raises(ValueError, match="padding inside a row"):
-        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]))
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_a_mask_with_holes_selects_as_the_sequence_without_them(variant):
+    """Zeros anywhere in a row (generate() appends ones after a right-padded prompt): with topk < T the
+    real tokens select exactly as the row's real tokens run alone (same positions)."""
+    model = _patched(variant, topk=3)
+    ids = tokens(2, 10, seed=4)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        holed = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+        for row in range(2):
+            real = mask[row].bool()
+            alone = model(ids[row : row + 1, real]).logits
+            _close(holed[row : row + 1, real], alone)
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_a_random_mask_matches_unpatched_when_topk_covers(variant):
+    """Every query with a visible key (padding queries too: they attend to the real keys before them)."""
+    ref = tiny_model(variant).eval()
+    pat = copy.deepcopy(ref)
+    patch_model(pat, topk=64, **INDEXER)
+    ids = tokens(3, 11, seed=5)
+    mask = (torch.rand(3, 11, generator=torch.Generator().manual_seed(0)) > 0.35).long()
+    mask[:, 4] = 1  # every query from 4 on has a visible key
+    with torch.no_grad():
+        _close(pat(ids, attention_mask=mask).logits[:, 4:], ref(ids, attention_mask=mask).logits[:, 4:])
 
 
 def test_resolved_settings_are_written_back():
@@ -333,10 +354,21 @@ def test_deepcopy_of_a_patched_model_is_an_independent_patched_model():
         _close(model(ids).logits, expected, atol=0)
 
 
-def test_static_cache_is_refused_clearly():
-    model = _patched("llama", topk=3)
-    with pytest.raises(TypeError, match="static and quantized caches are not supported"):
-        model.generate(tokens(1, 5), max_new_tokens=2, cache_implementation="static", pad_token_id=PAD)
+@pytest.mark.parametrize("variant", ALL)
+def test_a_static_cache_generates_as_a_dynamic_one(variant):
+    """Full-attention layers take a static cache (topk < T, left padding); a static sliding-window layer
+    (a rolling buffer) is refused clearly."""
+    model = _patched(variant, topk=3)
+    ids = tokens(2, 6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    with torch.no_grad():
+        if variant.endswith("_sw"):
+            with pytest.raises(TypeError, match="static caches of full-attention layers"):
+                model.generate(ids, cache_implementation="static", **kwargs)
+            return
+        assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
 
 
 def test_peft_wrapped_model_patches_and_trains_the_indexer():

@@ -59,6 +59,11 @@ def test_right_padding(family):
 
 
 @family
+def test_a_mask_with_holes_matches_unpatched(family):
+    dsa_checks.check_mask_with_holes(family)
+
+
+@family
 def test_indexer_learns_only_from_its_loss(family):
     dsa_checks.check_indexer_isolation(family)
 

@@ -43,3 +43,32 @@ def test_a_second_model_from_the_same_config_patches_and_unpatches_independently
     unpatch_model(second)
     unpatch_model(first)
     assert "hyscale_config" not in first.config.__dict__ and "hyscale_indexer" not in first.config.__dict__
+
+
+def test_patching_changes_no_other_model_built_from_the_same_config():
+    """A patch writes into its own copy of the config: a model sharing the original object keeps
+    running unpatched, and the caller's config carries no record and no attention implementation."""
+    config = tiny_model("llama").config
+    before = dict(config.__dict__)
+    first, second = type(tiny_model("llama"))(config), type(tiny_model("llama"))(config)
+    ids = tokens(1, 9)
+    with torch.no_grad():
+        expected = second(ids).logits
+    patch_model(first, topk=3, **INDEXER)
+    assert first.config is not config and first.model.layers[0].self_attn.config is first.config
+    assert config.__dict__ == before  # no record, no "hyscale_dsa"
+    with torch.no_grad():  # used to raise: "only serves attention modules patched by hyscale_hf"
+        torch.testing.assert_close(second(ids).logits, expected, atol=0, rtol=0)
+    unpatch_model(first)
+    assert first.config is config and first.model.layers[0].self_attn.config is config
+
+
+def test_a_serialised_copy_of_a_patched_config_builds_a_model_that_patches():
+    """Round trips through dicts and JSON (what Transformers' own tests do with configs) keep the
+    patch's records marked as live, or drop them; never as a checkpoint's."""
+    model = tiny_model("llama")
+    patch_model(model, topk=3, **INDEXER)
+    for config in (type(model.config).from_dict(model.config.to_dict()), copy.deepcopy(model.config)):
+        other = type(model)(config)
+        patch_model(other, **INDEXER)
+        assert patched_config(other).topk == 2048  # the first model's topk=3 did not leak
