@@ -72,7 +72,7 @@ def check_indices(indices, batch: int, queries: int, num_keys: int, check_range:
     check_dim("indices", indices, 1, queries, doc)
     if indices.shape[2] <= 0:
         raise ValueError(f"indices must have K > 0 entries per query, got shape {tuple(indices.shape)}")
-    if check_range and indices.numel() and has_values(indices) and not torch.compiler.is_compiling():
+    if check_range and indices.numel() and not torch.compiler.is_compiling() and has_values(indices):
         # One host sync. Out-of-range indices would make the kernels read outside k and v, so this
         # check stays in eager runs; meta and fake tensors (shape propagation) have no values to read,
         # and torch.compile cannot trace the read (a patched forward compiles with fullgraph=True).
