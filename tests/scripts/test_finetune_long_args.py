@@ -52,7 +52,7 @@ def _error(capsys, argv, on_gpu=False) -> str:
     (["--passkey_depths", "half"], "--passkey_depths 'half'"),
     (["--seq_len", "0"], "--seq_len must be positive"),
     (["--tiny", "--max_steps", "10", "--logging_steps", "20"], "--logging_steps 20 exceeds --max_steps 10"),
-    (["--max_steps", "20"], "--dense_pretrain_steps 0 + --dense_warmup_steps 30 exceed --max_steps 20"),
+    (["--max_steps", "20"], "--dense_pretrain_steps 0 + --dense_warmup_steps 70 exceed --max_steps 20"),
     (["--preset", "glm5", "--max_steps", "50"], "--dense_pretrain_steps 400 + --dense_warmup_steps 100 exceed --max_steps 50"),
     (["--tiny", "--preset", "cpu"], "--tiny is --preset tiny"),
     (["--tiny", "--rope_yarn_factor", "2"], "--rope_yarn_factor applies to a pretrained --model"),
