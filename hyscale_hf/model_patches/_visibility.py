@@ -21,11 +21,14 @@ them):
 - A static cache: the layer attends over all its ``T`` slots, the queries sit at the slots the cache
   just wrote (``query_offset``, a device tensor), and the slots not written yet are invisible.
 
-Nothing here reads a tensor's values on the host: which of these apply follows from which inputs
-were given and their shapes, never from their contents, so a forward makes no host sync, runs on
-the meta device and traces under ``torch.compile(fullgraph=True)``. An input that only might hold
-padding or resets (an all-ones mask, plain positions) takes the general path, whose result is the
-same.
+Nothing here reads a tensor's values on the host but one thing: whether ``position_ids`` hold a
+reset, read once per positions tensor (so once per forward, for all layers), as Transformers' own
+``find_packed_sequence_indices`` reads it, and only in eager runs on a real device. Every training
+forward passes plain positions, and knowing they are plain keeps the dense warm-up on causal SDPA
+(flash) and hytopk without a per-query window. Everything else follows from which inputs were given
+and their shapes, never from their contents, so a forward runs on the meta device and traces under
+``torch.compile(fullgraph=True)``; there, and for any input that only might hold padding (an all-ones
+mask), the general path runs, whose result is the same.
 """
 
 from __future__ import annotations
@@ -34,7 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.checks import has_values
 from ..kernels.windows import query_windows
+
+# Attribute of a positions tensor: (its _version when read, whether it holds a reset).
+_RESETS_ATTR = "_hyscale_resets"
 
 
 def padding_mask_only(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -122,6 +129,22 @@ def _segment_starts(position_ids: torch.Tensor, B: int, S: int) -> torch.Tensor 
     return torch.where(is_start, idx, 0).cummax(dim=1).values
 
 
+def _holds_resets(position_ids: torch.Tensor, seg: torch.Tensor) -> bool:
+    """Whether ``seg`` (``_segment_starts`` of ``position_ids``) starts a sequence past the first token.
+    True (the general path) when the values cannot be read: under tracing, on meta or fake tensors."""
+    if torch.compiler.is_compiling() or not has_values(position_ids):
+        return True
+    # The answer rides on the tensor itself: one forward's layers all get this object, and so does a
+    # checkpoint recompute of any of them, which must take the forward's path without reading again
+    # (selective checkpointing replays a host read it did not record as an error).
+    known = getattr(position_ids, _RESETS_ATTR, None)
+    if known is not None and known[0] == position_ids._version:
+        return known[1]
+    resets = not bool((seg[:, -1] == 0).all())  # the host read, once per positions tensor
+    setattr(position_ids, _RESETS_ATTR, (position_ids._version, resets))
+    return resets
+
+
 def _latest_start(parts: list[torch.Tensor], B: int, S: int, device) -> torch.Tensor | None:
     """The elementwise maximum of window starts, each [B] or [B, S] (None for no part)."""
     window_start = None
@@ -176,7 +199,7 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         cu_seqlens = (cu_q if cu_q is not None else cu_k).to(device=device, dtype=torch.int32)
     elif position_ids is not None and attention_mask is None and S == T:
         seg = _segment_starts(position_ids.to(device), B, S)
-        if seg is not None:
+        if seg is not None and _holds_resets(position_ids, seg):
             parts.append(seg)
     if sliding_window is not None:
         parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
