@@ -47,15 +47,36 @@ def test_masked_dense_matches_reference_forward_lse_and_gradients(Hq, Hkv, Dqk, 
     assert torch.equal(o[1, 2], torch.zeros_like(o[1, 2])) and bool(torch.isneginf(lse[1, 2]).all())
 
 
-def test_masked_dense_chunks_queries_without_changing_results(monkeypatch):
+def test_lse_gradient_chunks_queries_without_changing_results(monkeypatch):
     torch.manual_seed(1)
-    q, k, v = torch.randn(1, 9, 2, 16), torch.randn(1, 9, 1, 16), torch.randn(1, 9, 1, 16)
+    q, k, v = (torch.randn(1, 9, 2, 16, requires_grad=True), torch.randn(1, 9, 1, 16, requires_grad=True),
+               torch.randn(1, 9, 1, 16, requires_grad=True))
     idx = random_selection(1, 9, 9, 3)
-    whole = sparse_attention_masked_dense(q, k, v, idx, 0.25)
+    dlse = torch.randn(1, 9, 2)
+
+    def grads():
+        o, lse = sparse_attention_masked_dense(q, k, v, idx, 0.25)
+        return torch.autograd.grad((o.sum() + (lse * dlse).sum()), (q, k, v))
+
+    whole = grads()
     monkeypatch.setattr(masked_dense, "CHUNK_BYTES", 4 * 2 * 9 * 2)  # two queries per chunk
-    parts = sparse_attention_masked_dense(q, k, v, idx, 0.25)
+    parts = grads()
     for a, b in zip(whole, parts):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_gradients_of_o_alone_and_of_lse_alone_match_reference():
+    """The kernel's backward covers o; the lse's gradient is added by hand: check each on its own."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 6, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True)
+    idx = random_selection(1, 6, 6, 3)
+    for pick in (0, 1):
+        got, ref = (torch.autograd.grad(fn(q, k, v, idx, 0.5)[pick].sum(), (q, k, v), materialize_grads=True)
+                    for fn in (sparse_attention_masked_dense, sparse_attention_reference))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_fits_takes_short_key_ranges_of_finite_inputs_only():
@@ -64,7 +85,7 @@ def test_fits_takes_short_key_ranges_of_finite_inputs_only():
     # 32x more keys than selected: the gathers are cheaper
     long_kv = torch.zeros(1, 8192, 3, 64)
     assert not fits(q[:, :1], long_kv, long_kv, torch.empty(1, 1, 128, dtype=torch.int32))
-    # the probabilities autograd would keep exceed MAX_SCORE_BYTES
+    # the [B, S, T] selection bias would exceed MAX_BIAS_BYTES
     big = torch.empty(1, 16384, 9, 64, device="meta")
     assert not fits(big, big[:, :, :3], big[:, :, :3], torch.empty(1, 16384, 2048, dtype=torch.int32, device="meta"))
     # a NaN in any row would reach queries that never selected it: the reference's gathers keep it out
@@ -72,6 +93,8 @@ def test_fits_takes_short_key_ranges_of_finite_inputs_only():
     bad[0, 5, 1, 3] = float("nan")
     assert not fits(q, kv, bad, torch.empty(1, 1024, 128, dtype=torch.int32))
     assert not fits(q.to("meta"), kv.to("meta"), kv.to("meta"), torch.empty(1, 1024, 128, dtype=torch.int32))
+    bf16 = torch.zeros(1, 1024, 9, 64, dtype=torch.bfloat16)  # other dtypes are computed in fp32 here
+    assert fits(bf16, bf16[:, :, :3], bf16[:, :, :3], torch.empty(1, 1024, 128, dtype=torch.int32))
     assert not fits(q[:, :0], kv, kv, torch.empty(1, 0, 128, dtype=torch.int32))  # empty: the reference
 
 
