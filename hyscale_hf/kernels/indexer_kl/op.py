@@ -2,7 +2,8 @@
 
 Host launches of the Triton kernels (``triton_kernels.py``, whose docstring derives the one-pass
 loss), the autograd wrapper and the public function. The torch path (and the dense warm-up loss)
-is ``naive.indexer_kl_loss_reference``.
+is ``masked_dense`` (matmuls over every key under a mask) where the key range is short on a CPU,
+else ``naive.indexer_kl_loss_reference``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ..checks import (
     resolve_backend,
 )
 from . import triton_kernels as kernels
+from .masked_dense import fits as masked_dense_fits
+from .masked_dense import indexer_kl_masked_dense
 from .naive import indexer_kl_loss_reference
 
 _LOG2E = 1.4426950408889634
@@ -214,12 +217,17 @@ def indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, *
     attn_lse = None if attn_lse is None else attn_lse.detach()
     kl = _IndexerKLSparse.apply(index_q, index_k, index_w, attn_q.detach(), attn_k.detach(), indices,
                                 attn_lse, scale, relu, config)
+    return reduce_kl(kl, (indices >= 0).any(-1), reduction)
+
+
+def reduce_kl(kl: torch.Tensor, has_key: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The per-query KL ``[B, S]`` reduced as ``reduction`` asks ("mean" over queries with a key)."""
     if reduction == "none":
         return kl
     if reduction == "sum":
         return kl.sum()
     if reduction == "mean":
-        return kl.sum() / (indices >= 0).any(-1).sum().clamp_min(1)
+        return kl.sum() / has_key.sum().clamp_min(1)
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
@@ -331,6 +339,10 @@ def indexer_kl_loss(
     if chosen == "triton":
         return indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse=attn_lse,
                                       scale=scale, relu=relu, reduction=reduction, config=config)
+    if masked_dense_fits(index_q, index_k, index_w, attn_q, attn_k, indices):  # short key ranges on a CPU
+        kl, has_key = indexer_kl_masked_dense(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse=attn_lse,
+                                              scale=scale, relu=relu, cu_seqlens=cu_seqlens, window_start=window_start)
+        return reduce_kl(kl, has_key, reduction)
     return indexer_kl_loss_reference(
         index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse=attn_lse, scale=scale, relu=relu,
         cu_seqlens=cu_seqlens, window_start=window_start, reduction=reduction,
