@@ -30,7 +30,7 @@ PRESETS = {
     # warm-up trains the indexer with the base frozen, then a short sparse stage trains everything, the base
     # at a fine-tuning rate (--lr) and the indexer at its own (--indexer_lr). top-k: a DSA model's own, and
     # 1/8 of the context for a dense model (TOPK_FRACTION).
-    "cpu": dict(model="smollm2", seq_len=1024, max_steps=80, dense_warmup_steps=70, dense_pretrain_steps=0,
+    "cpu": dict(model="smollm2", seq_len=1024, max_steps=90, dense_warmup_steps=70, dense_pretrain_steps=0,
                 batch_size=1, lr=5e-5, indexer_lr=5e-3, logging_steps=3, save_steps=0, hidden_size=None, num_layers=None,
                 topk=None, index_n_heads=None,
                 index_head_dim=None, passkey_trials=2, passkey_depths="0.0,0.5,1.0", passkey_length=None,
