@@ -1,11 +1,13 @@
-"""End-to-end benchmark: one training step of a GLM-5-shaped model, and the longest trainable context.
+"""End-to-end benchmark: one training step of a model stack, and the longest trainable context.
 
 A training step is forward + backward + AdamW step with gradient checkpointing on every layer, on one
-sequence of T tokens (bf16). Arms, each on the same token ids:
+sequence of T tokens (bf16). Stacks (``--stack``, ``hyscale_hf.benchmarking.stacks``): ``glm5``, a
+GLM-5-shaped DSA model (2 layers by default), and ``smollm2``, a dense Llama with SmolLM2-135M's
+dimensions (30 layers), the converted-dense-model case. Arms, each on the same token ids:
 
-  hyscale       patch_model(model): HyTopK + sparse MLA attention + selection replay
-  native        the unpatched Transformers glm_moe_dsa path (indexer score table + dense mask)
-  dense         the same dims as deepseek_v3 (MLA without indexer), SDPA attention
+  hyscale       patch_model(model): HyTopK + sparse attention + selection replay
+  native        glm5 only: the unpatched Transformers glm_moe_dsa path (indexer score table + dense mask)
+  dense         glm5: the same dims as deepseek_v3 (MLA without indexer); smollm2: the Llama itself; SDPA
   replay_off    patch_model(model, selection_replay=False)
   lean_off      patch_model(model, lean_activations=False): RMSNorm and MLP keep what Transformers keeps
                 (not run unless named in --arms)
@@ -15,6 +17,7 @@ arm trains at (doubling T from the largest length that fit until a step runs out
 longer than --step-cap-s). Writes JSON and a PNG plot.
 
     python scripts/bench_e2e.py --out results/            # GPU: T = 16K..128K, then the search
+    python scripts/bench_e2e.py --stack smollm2 --arms hyscale dense --seqlens 32768 131072 --search-arms
     python scripts/bench_e2e.py --tiny --out /tmp/e2e     # CPU smoke run at toy size
 """
 
@@ -28,29 +31,10 @@ import statistics
 
 import torch
 
-import hyscale_hf
-from hyscale_hf.benchmarking.glm5 import GLM5, TINY, build_model, enable_checkpointing, time_ms
+from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, time_ms
 from hyscale_hf.kernels import chunked_cross_entropy
 
-ARMS = ("hyscale", "native", "dense", "replay_off", "lean_off")
 DEFAULT_ARMS = ARMS[:4]
-
-
-def make_arm(arm: str, dims: dict, layers: int, max_t: int, device, dtype):
-    if arm == "dense":
-        model = build_model(dims, layers, max_t, device, dtype, model_type="deepseek_v3", attn_implementation="sdpa")
-    else:
-        impl = "sdpa" if arm == "native" and device.type == "cuda" else "eager"
-        model = build_model(dims, layers, max_t, device, dtype, attn_implementation=impl)
-    if arm == "hyscale":
-        hyscale_hf.patch_model(model)
-    elif arm == "replay_off":
-        hyscale_hf.patch_model(model, selection_replay=False)
-    elif arm == "lean_off":
-        hyscale_hf.patch_model(model, lean_activations=False)
-    enable_checkpointing(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=device.type == "cuda")
-    return model, optimizer
 
 
 def free(device) -> None:
@@ -94,7 +78,8 @@ def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int
 def run_arm(arm: str, args, dims, device, dtype) -> dict:
     """Timed lengths, then the doubling search for the longest trainable context."""
     rows, longest = [], None
-    model, optimizer = make_arm(arm, dims, args.layers, max(args.search_max, max(args.seqlens)), device, dtype)
+    model, optimizer = make_arm(args.stack, arm, dims, args.layers, max(args.search_max, max(args.seqlens)), device,
+                                dtype)
     try:
         for T in args.seqlens:
             try:
@@ -197,7 +182,7 @@ def plot(result: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend()
-    fig.suptitle(f"GLM-5-shaped training step ({result['layers']} layers, {result['device']})")
+    fig.suptitle(f"{STACKS[result['stack']]['label']} training step ({result['layers']} layers, {result['device']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -206,27 +191,36 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/bench_e2e", help="folder for bench_e2e.json and bench_e2e.png")
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
-    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS)
+    p.add_argument("--stack", choices=sorted(STACKS), default="glm5", help="model stack (default: glm5)")
+    p.add_argument("--arms", nargs="+", default=None, choices=ARMS,
+                   help="default: hyscale native dense replay_off (glm5), hyscale dense replay_off (smollm2)")
     p.add_argument("--seqlens", nargs="+", type=int, default=None)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2 for glm5, 30 for smollm2)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--search-max", type=int, default=None, help="largest T tried by the doubling search")
     p.add_argument("--step-cap-s", type=float, default=60.0, help="stop the search once a step takes longer")
     p.add_argument("--loss-chunk", type=int, default=0,
                    help="tokens per LM-head/cross-entropy chunk (0: the model's own loss over whole logits)")
-    p.add_argument("--search-arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS,
+    p.add_argument("--search-arms", nargs="*", default=None, choices=ARMS,
                    help="arms that run the longest-context search (none: skip it)")
     args = p.parse_args(argv)
+    stack = STACKS[args.stack]
+    default_arms = [a for a in DEFAULT_ARMS if not (args.stack == "smollm2" and a == "native")]
+    args.arms = args.arms or default_arms
+    args.search_arms = default_arms if args.search_arms is None else args.search_arms
+    if args.stack == "smollm2" and "native" in args.arms + args.search_arms:
+        p.error("--arms native: the smollm2 stack is a dense model (its unpatched arm is 'dense')")
+    args.layers = args.layers or stack["layers"]
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    dims = TINY if args.tiny else GLM5
+    dims = stack["tiny"] if args.tiny else stack["dims"]
     args.seqlens = args.seqlens or ([32, 64] if args.tiny else [16384, 32768, 65536, 131072])
     args.search_max = args.search_max or (256 if args.tiny else 1 << 20)
     import transformers
 
     result = {
-        "benchmark": "GLM-5-shaped training step (fwd+bwd+AdamW, gradient checkpointing)",
+        "benchmark": f"{stack['label']} training step (fwd+bwd+AdamW, gradient checkpointing)", "stack": args.stack,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,

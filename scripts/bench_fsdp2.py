@@ -1,6 +1,6 @@
 """Benchmark: a GLM-5-shaped stack trained with accelerate FSDP2 on 2 GPUs against 1 GPU.
 
-The model is the GLM-5-shaped ``glm_moe_dsa`` stack of ``hyscale_hf.benchmarking.glm5`` (hidden
+The model is the GLM-5-shaped ``glm_moe_dsa`` stack of ``hyscale_hf.benchmarking.stacks`` (hidden
 6144, 64 heads, q_lora 2048, kv_lora 512, qk_nope 192, rope 64, v 256, 32 indexer heads of dim
 128, topk 2048, dense MLPs of 12288, vocab 32000), ``--layers`` layers, seeded random init, patched by hyscale_hf, each decoder
 layer checkpointed by ``hyscale_hf.wrap_layers_for_replay`` (selection replay), AdamW. Every
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import hyscale_hf
-from hyscale_hf.benchmarking.glm5 import GLM5, TINY, build_model
+from hyscale_hf.benchmarking.stacks import GLM5, TINY, build_model
 
 
 def run(args) -> dict:

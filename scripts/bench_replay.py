@@ -31,7 +31,7 @@ import statistics
 import torch
 
 import hyscale_hf
-from hyscale_hf.benchmarking.glm5 import GLM5, TINY, build_model, enable_checkpointing, time_ms
+from hyscale_hf.benchmarking.stacks import GLM5, TINY, build_model, enable_checkpointing, time_ms
 
 
 def bench_hytopk(T: int, dims: dict, device, dtype, reps: int) -> float:

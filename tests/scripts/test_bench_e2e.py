@@ -28,3 +28,19 @@ def test_bench_e2e_tiny(tmp_path):
     assert lean_off["arm"] == "lean_off" and [r["T"] for r in lean_off["rows"]] == [16, 32]
     assert set(result["ratios_vs_hyscale"]["dense"]) == {"16", "32"}
     assert (tmp_path / "bench_e2e.png").stat().st_size > 0
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_e2e_tiny_smollm2_stack(tmp_path):
+    """The converted-dense-model stack: a Llama with and without patch_model, in the same run."""
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tiny", "--stack", "smollm2", "--arms", "hyscale", "dense", "--seqlens", "32", "--reps", "1",
+                "--warmup", "0", "--search-arms", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_e2e.json").read_text())
+    assert result["stack"] == "smollm2" and result["layers"] == 30
+    assert [a["arm"] for a in result["arms"]] == ["hyscale", "dense"]
+    assert set(result["ratios_vs_hyscale"]["dense"]) == {"32"}
+    with pytest.raises(SystemExit):  # the dense stack has no unpatched DSA arm
+        bench.main(["--tiny", "--stack", "smollm2", "--arms", "native", "--out", str(tmp_path)])

@@ -1,0 +1,152 @@
+"""Where one training step's time goes: kernel time by category and the top kernels, from torch.profiler.
+
+The step is bench_e2e.py's (forward + backward + AdamW, gradient checkpointing on every layer, one
+sequence of T tokens, bf16) on one arm of a model stack (``hyscale_hf.benchmarking.stacks``). After
+a warm-up step, one step runs under the profiler; each GPU kernel's time is summed by name and by
+category (matmuls, sparse attention forward / backward, indexer KL, HyTopK, dense attention, tile
+bitmaps, elementwise and copies, other). Prints, per T, the step's wall time, the category table and
+the top kernels; writes JSON.
+
+    python scripts/profile_step.py --seqlens 65536 131072 --out results/       # glm5, hyscale arm
+    python scripts/profile_step.py --stack smollm2 --arm dense --seqlens 32768  # the dense baseline
+    python scripts/profile_step.py --tiny --out /tmp/profile                    # CPU smoke run (aten ops)
+
+On a CPU there are no kernels: the table then sums the aten ops' own CPU time, by the same categories
+(the torch paths there, e.g. the CPU flash kernel that sparse attention runs on, fall in other rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+
+import torch
+
+from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, sync
+
+# First match wins. Kernel names of this package's Triton kernels, cuBLAS / CUTLASS matmuls, flash /
+# cuDNN attention, and the aten ops a CPU profile lists.
+CATEGORIES = (
+    ("sparse attention backward", r"sparse_attn_bwd|scratch_reduce"),
+    ("sparse attention forward", r"sparse_attn_fwd|mla_forward|_pv_|_softmax_partition"),
+    ("indexer KL", r"indexer_kl|attn_lse_kernel"),
+    ("HyTopK", r"hytopk|row_extent|hyscale::hytopk"),
+    ("tile bitmaps", r"tile_bit|tile_rank|tile_expand|tile_bitmap"),
+    ("dense attention", r"flash|fmha|cudnn|_efficient_attention|scaled_dot_product"),
+    ("matmuls", r"gemm|cutlass|cublas|nvjet|xmma|wgmma|aten::(mm|bmm|addmm|matmul|linear)\b"),
+    ("elementwise, copies", r"elementwise|vectorized|copy|cat|reduce|index|fill|unrolled|softmax|"
+                            r"aten::(copy_|add|mul|sub|div|exp|log|where|fill_|sum|cat|index|neg|silu|pow|rsqrt|mean)"),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return label
+    return "other"
+
+
+def kernel_times(prof, on_gpu: bool) -> dict[str, float]:
+    """Milliseconds per kernel name (GPU) or per aten op's own CPU time (CPU) over the profiled step."""
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        if on_gpu:
+            us = getattr(event, "self_device_time_total", None)
+            if us is None:  # older torch
+                us = event.self_cuda_time_total
+            is_kernel = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+        else:
+            us, is_kernel = event.self_cpu_time_total, event.key.startswith(("aten::", "hyscale::"))
+        if is_kernel and us > 0:
+            out[event.key] = out.get(event.key, 0.0) + us / 1e3
+    return out
+
+
+def profile_one(args, T: int, device, dtype, dims) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, optimizer = make_arm(args.stack, args.arm, dims, args.layers, T, device, dtype)
+    ids = torch.randint(3, dims["vocab_size"], (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    try:
+        step()  # warm-up: compilation, autotuning, allocator
+        on_gpu = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        sync(device)
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            step()
+            sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        del model, optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    kernels = kernel_times(prof, on_gpu)
+    total = sum(kernels.values())
+    by_category: dict[str, float] = {}
+    for name, ms in kernels.items():
+        by_category[category(name)] = by_category.get(category(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+    return {
+        "T": T, "profiled_step_wall_ms": wall_ms, "kernel_ms_total": total,
+        "categories": [{"category": c, "ms": ms, "share": ms / total if total else 0.0}
+                       for c, ms in sorted(by_category.items(), key=lambda kv: -kv[1])],
+        "top_kernels": [{"name": n, "ms": ms, "category": category(n)} for n, ms in top],
+    }
+
+
+def report(row: dict, unit: str) -> str:
+    lines = [f"T={row['T']}: profiled step {row['profiled_step_wall_ms']:.0f} ms wall, "
+             f"{row['kernel_ms_total']:.0f} ms of {unit}",
+             f"  {'category':<28} {'ms':>9} {'share':>6}"]
+    lines += [f"  {c['category']:<28} {c['ms']:>9.1f} {100 * c['share']:>5.1f}%" for c in row["categories"]]
+    lines.append(f"  top {len(row['top_kernels'])}:")
+    lines += [f"  {k['ms']:>9.1f} ms  {k['name'][:90]}  [{k['category']}]" for k in row["top_kernels"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stack", choices=sorted(STACKS), default="glm5")
+    p.add_argument("--arm", choices=ARMS, default="hyscale")
+    p.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: 65536 131072 (GPU), 32 (--tiny)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the stack's, as in bench_e2e)")
+    p.add_argument("--top", type=int, default=15, help="kernels listed by time")
+    p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
+    p.add_argument("--out", default="outputs/profile_step", help="folder for profile_step.json")
+    args = p.parse_args(argv)
+    if args.stack == "smollm2" and args.arm == "native":
+        p.error("--arm native: the smollm2 stack is a dense model (its unpatched arm is 'dense')")
+    if args.top < 1 or any(T < 2 for T in args.seqlens or [2]):
+        p.error("--top must be >= 1 and every --seqlens entry >= 2")
+    stack = STACKS[args.stack]
+    args.layers = args.layers or stack["layers"]
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dims = stack["tiny"] if args.tiny else stack["dims"]
+    args.seqlens = args.seqlens or ([32] if args.tiny else [65536, 131072])
+    unit = "GPU kernel time" if device.type == "cuda" else "aten op CPU time"
+    result = {"stack": args.stack, "arm": args.arm, "layers": args.layers,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": str(dtype), "unit": unit, "rows": []}
+    os.makedirs(args.out, exist_ok=True)
+    for T in args.seqlens:
+        row = profile_one(args, T, device, dtype, dims)
+        print(report(row, unit), flush=True)
+        result["rows"].append(row)
+        with open(os.path.join(args.out, "profile_step.json"), "w") as f:  # rewritten per T
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""scripts/profile_step.py profiles one training step at a tiny size on the CPU (the GPU run uses the same code)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_categories_sort_kernel_names():
+    category = _script().category
+    assert category("sparse_attn_bwd_dkv_kernel") == "sparse attention backward"
+    assert category("_sparse_attn_fwd_kernel") == "sparse attention forward"
+    assert category("indexer_kl_fwd_kernel") == "indexer KL"
+    assert category("hytopk_scan_kernel") == "HyTopK"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmuls"
+    assert category("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise, copies"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "dense attention"
+    assert category("something_else") == "other"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("stack,arm", [("smollm2", "hyscale"), ("smollm2", "dense")])
+def test_profile_step_tiny(tmp_path, stack, arm, capsys):
+    result = _script().main(["--tiny", "--stack", stack, "--arm", arm, "--layers", "2", "--seqlens", "32",
+                             "--top", "5", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "profile_step.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    (row,) = saved["rows"]
+    assert row["T"] == 32 and row["kernel_ms_total"] > 0 and len(row["top_kernels"]) == 5
+    shares = [c["share"] for c in row["categories"]]
+    assert abs(sum(shares) - 1) < 1e-6
+    assert "matmuls" in {c["category"] for c in row["categories"]}
+    if arm == "hyscale":
+        assert "HyTopK" in {c["category"] for c in row["categories"]}
+    assert "T=32: profiled step" in capsys.readouterr().out
+
+
+def test_profile_step_rejects_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        _script().main(["--tiny", "--stack", "smollm2", "--arm", "native", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        _script().main(["--tiny", "--seqlens", "1", "--out", str(tmp_path)])
