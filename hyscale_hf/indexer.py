@@ -2,13 +2,22 @@
 
 ``LightningIndexer`` is the module a dense family's patch adds to each attention layer (see
 ``hyscale_hf/model_patches/_dense_common.py`` for how it is attached, cached during generation and
-saved). ``attach_indexer_loss`` adds each indexer layer's KL loss to training without touching the loop.
+saved). ``indexer_loss_once`` / ``attach_indexer_loss`` add each indexer layer's KL loss to training
+without touching the loop.
 
-A patched attention module computes its indexer KL loss and passes its output through
-``attach_indexer_loss``: the forward value is unchanged (the Trainer's loss stays the LM loss), and
-backward injects ``coef * d(indexer_loss)`` into the graph. Because the indexer's inputs are
-detached and the KL target is detached, that gradient reaches only the indexer's parameters, and the
-LM loss never reaches the indexer (top-k indices carry no gradient).
+A patched attention module passes its output through ``indexer_loss_once``: the forward value is
+unchanged (the Trainer's loss stays the LM loss), and backward injects ``coef * d(indexer_loss)``
+into the graph. Because the indexer's inputs are detached and the KL target is detached, that
+gradient reaches only the indexer's parameters, and the LM loss never reaches the indexer (top-k
+indices carry no gradient).
+
+The loss is computed once per layer and step. Its gradient with respect to the indexer's outputs
+(q, k, w) is taken in the forward, right after the loss, and kept until backward carries it into
+the indexer; a checkpoint recompute of the layer then has nothing to redo for the loss (before, the
+KL forward ran a second time there, the largest kernel of a converted model's step). The price is
+those gradients held from forward to backward: ``S * (H * D + D + H)`` elements per layer (for a
+2 x 64 indexer in bf16 about 1/20 of the replayed selection's ``S * K`` int32 at top-2048; for
+GLM-5's 32 x 128 about as much as it).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import inspect
 import torch
 from torch import nn
 
+from .replay import replaying
 from .state import PatchState, in_backward
 
 
@@ -32,6 +42,57 @@ class _AttachLoss(torch.autograd.Function):
     def backward(ctx, grad_hidden: torch.Tensor):
         shape, dtype, device = ctx.loss_meta
         return grad_hidden, torch.full(shape, ctx.coef, dtype=dtype, device=device), None
+
+
+class _LossWithGradient(torch.autograd.Function):
+    """The value of a loss whose gradient with respect to ``tensors`` was already computed (``grads``).
+
+    Backward hands out ``grads`` scaled by the incoming gradient, so the loss joins the graph (through
+    ``attach_indexer_loss``) exactly as the loss itself would, without its graph or saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, grads: tuple, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads  # an attribute, not save_for_backward: no checkpoint recomputes it
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None, None, *(g if g is None else (g * grad).to(g.dtype) for g in ctx.grads))
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def indexer_loss_once(hidden: torch.Tensor, index: tuple, loss_fn, state: PatchState) -> torch.Tensor:
+    """``hidden`` unchanged, with the indexer loss ``loss_fn(*index)`` joined to training, computed once.
+
+    ``index`` holds the indexer's outputs (tensors with the graph to its parameters); ``loss_fn`` maps
+    them to the loss. In the forward the loss and its gradient with respect to ``index`` are computed
+    on detached copies, outside any checkpoint's saved-tensor hooks, and the loss joins through
+    ``attach_indexer_loss`` as a ``_LossWithGradient``. The recompute of a checkpoint with selection
+    replay (Transformers' gradient checkpointing on a patched model) returns ``hidden``: the forward's
+    loss already carries the gradient. Under ``torch.compile`` (which cannot trace
+    ``autograd.grad``) the loss joins the traced graph as it is.
+    """
+    if torch.compiler.is_compiling():
+        return attach_indexer_loss(hidden, loss_fn(*index), state)
+    if in_backward() and replaying():
+        # A replaying checkpoint's recompute: its forward computed the loss and the gradient is on its
+        # way. Other recomputes compute it: a reentrant checkpoint ran its forward without grad, and a
+        # non-reentrant one without the replay context only keeps its recompute's saved tensors.
+        return hidden
+    needs = [t.requires_grad for t in index]
+    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep), torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(index, needs))
+        loss = loss_fn(*leaves)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        if float(state.config.indexer_loss_coef) == 0.0 or not loss.requires_grad or not wanted:
+            return attach_indexer_loss(hidden, loss.detach(), state)  # recorded only
+        found = iter(torch.autograd.grad(loss, wanted, materialize_grads=True))
+    grads = tuple(next(found) if need else None for need in needs)
+    return attach_indexer_loss(hidden, _LossWithGradient.apply(loss.detach(), grads, *index), state)
 
 
 def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchState) -> torch.Tensor:

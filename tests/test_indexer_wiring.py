@@ -1,5 +1,6 @@
-"""attach_indexer_loss: the forward value is untouched and backward adds coef * d(indexer loss)."""
+"""attach_indexer_loss and indexer_loss_once: the forward value is untouched and backward adds coef * d(indexer loss)."""
 
+import pytest
 import torch
 
 from hyscale_hf import HyScaleConfig
@@ -46,3 +47,92 @@ def test_in_backward_is_true_only_inside_backward():
     assert not in_backward()
     y.sum().backward()
     assert seen == [True]
+
+
+def _indexer_toy(seed=0):
+    """An indexer-like Linear on detached inputs, a layer output that does or does not need grad."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 4, generator=g)
+    torch.manual_seed(seed)
+    proj = torch.nn.Linear(4, 6)
+    target = torch.softmax(torch.randn(5, 3, generator=g), -1)
+
+    def loss_fn(q, w):  # a KL-like loss of two indexer outputs
+        return -(target * torch.log_softmax(q[:, :3] * w[:, None], -1)).sum(-1).mean()
+
+    return x, proj, loss_fn
+
+
+def test_loss_once_gives_the_gradients_of_the_loss_in_the_graph():
+    from hyscale_hf.indexer import indexer_loss_once
+
+    grads = []
+    for once in (False, True):
+        x, proj, loss_fn = _indexer_toy()
+        state = make_state(0.5)
+        base = torch.randn(5, 2, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        hidden = base * 2
+        out = proj(x)
+        index = (out[:, :4], out[:, 4])
+        attached = (indexer_loss_once(hidden, index, loss_fn, state) if once
+                    else attach_indexer_loss(hidden, loss_fn(*index), state))
+        assert torch.equal(attached, hidden)
+        attached.sum().backward()
+        grads.append((proj.weight.grad, proj.bias.grad, base.grad, state.pop_indexer_loss()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_loss_once_rides_on_the_output_when_the_layer_needs_no_grad():
+    """The dense warm-up with the base frozen: the loss waits in pending_losses for the model output."""
+    from hyscale_hf.indexer import indexer_loss_once, sink_pending_losses
+
+    x, proj, loss_fn = _indexer_toy()
+    state = make_state(0.5)
+    out = proj(x)
+    hidden = torch.randn(5, 2)
+    assert indexer_loss_once(hidden, (out[:, :4], out[:, 4]), loss_fn, state) is hidden
+    (pending,) = state.pending_losses
+    output = sink_pending_losses(state, {"loss": torch.tensor(1.0, requires_grad=True)})
+    output["loss"].backward()
+    fresh = proj(x)
+    want = torch.autograd.grad(0.5 * loss_fn(fresh[:, :4], fresh[:, 4]), proj.weight)[0]
+    torch.testing.assert_close(proj.weight.grad, want, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_loss_once_is_computed_once_under_checkpointing(replay):
+    """With the replay context (what patched models checkpoint with) the recompute computes nothing
+    for the loss; a checkpoint without it recomputes the loss, and the gradients are the same."""
+    from torch.utils.checkpoint import checkpoint
+
+    import hyscale_hf
+    from hyscale_hf.indexer import indexer_loss_once
+
+    results = []
+    for checkpointed in (False, True):
+        x, proj, loss_fn = _indexer_toy()
+        state = make_state(1.0)
+        calls = []
+
+        def counted(*index, loss_fn=loss_fn, calls=calls):
+            calls.append(in_backward())
+            return loss_fn(*index)
+
+        base = torch.randn(5, 2, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+        def layer(b, proj=proj, x=x, state=state, counted=counted):
+            out = proj(x)
+            y = indexer_loss_once(torch.tanh(b), (out[:, :4], out[:, 4]), counted, state)
+            return y * y  # a saved tensor after the loss: the recompute runs past it
+
+        if checkpointed:
+            kwargs = {"context_fn": hyscale_hf.replay_context_fn()} if replay else {}
+            y = checkpoint(layer, base, use_reentrant=False, **kwargs)
+        else:
+            y = layer(base)
+        y.sum().backward()
+        assert calls == ([False, True] if checkpointed and not replay else [False])
+        results.append((proj.weight.grad, base.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

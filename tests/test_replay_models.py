@@ -159,3 +159,40 @@ def test_enabling_checkpointing_on_the_inner_model_also_replays():
     _step(model, _ids())
     stats = hyscale_hf.selection_stats()
     assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == 2
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup", "dense_warmup_base_frozen"])
+def test_indexer_loss_runs_once_per_layer_under_checkpointing(model_type, stage, monkeypatch):
+    """Issue 22: the KL forward ran again in every checkpoint recompute. Now once per full indexer layer
+    per step, with the indexer's gradients those of a step without checkpointing (bit for bit)."""
+    from hyscale_hf.model_patches import _dsa_step
+    from hyscale_hf.state import patch_state
+
+    calls = []
+    real = _dsa_step.indexer_kl_loss
+
+    def counted(*args, **kwargs):
+        calls.append(in_backward())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_dsa_step, "indexer_kl_loss", counted)
+    grads = []
+    for checkpointing in (False, True):
+        model = _patched(model_type)
+        if stage != "sparse":
+            hyscale_hf.patched_config(model).dense_warmup = True
+        if stage == "dense_warmup_base_frozen":  # what HyScaleCallback does in the warm-up
+            indexer = set(hyscale_hf.indexer_parameter_names(model))
+            for name, p in model.named_parameters():
+                p.requires_grad_(name in indexer)
+            patch_state(model).base_frozen = True
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        calls.clear()
+        grads.append(_step(model, _ids()))
+        assert calls == [False] * _layout(model_type)[0]  # once per full indexer layer, none in backward
+    indexer_grads = [{n: g for n, g in step.items() if ".indexer." in n} for step in grads]
+    assert indexer_grads[0], "the indexer must receive gradients"
+    _assert_bitwise(*indexer_grads)
+    _assert_bitwise(*grads)

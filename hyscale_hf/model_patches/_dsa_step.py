@@ -9,7 +9,7 @@ builds its keys' visibility (``_visibility``), and hands all of it to ``dsa_atte
 2. attends over the selection (sparse), or over every visible key (the dense warm-up stage, and
    layers without DSA),
 3. samples top-k recall when asked (``observe_selection``), and during training joins the indexer
-   KL loss to the layer's output (``attach_indexer_loss``).
+   KL loss to the layer's output, computed once per step (``indexer_loss_once``).
 
 The attention comes in two forms, both with the same four methods: ``MLAAttention`` (native DSA
 families, ``_mla_dsa``: absorbed MLA queries against one latent row per token) and ``GQAAttention``
@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..indexer import attach_indexer_loss
+from ..indexer import indexer_loss_once
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
@@ -301,7 +301,10 @@ def dsa_attention(
         observe_selection(state, *q_and_k[:5], scale=attention.scale, relu=cfg.relu, **windows)
     out = o if finish is None else finish(o)
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
-        out = attach_indexer_loss(out, _indexer_loss(attention, index, indices, lse, vis, compaction, cfg), state)
+        def loss_fn(*index_outputs):
+            return _indexer_loss(attention, index_outputs, indices, lse, vis, compaction, cfg)
+
+        out = indexer_loss_once(out, index, loss_fn, state)
     return out, indices, probabilities
 
 
