@@ -218,13 +218,13 @@ class _RemoveHooks:
 # ----------------------------------------------------------------------------- lightning indexer
 
 
-def rope_frequency_subset(num_pairs: int, keep_pairs: int) -> torch.Tensor:
-    """Evenly spaced frequency indices (int64 ``[keep_pairs]``) out of a RoPE table of ``num_pairs``.
+def rope_frequency_subset(num_pairs: int, keep_pairs: int, device=None) -> torch.Tensor:
+    """Evenly spaced frequency indices (int64 ``[keep_pairs]``, on ``device``) out of a RoPE table of ``num_pairs``.
 
     RoPE tables are geometric (``theta_j = base^(-2j/R)``), so every ``stride``-th frequency is the
     table of a smaller RoPE with the same base spanning the same wavelengths, high and low.
     """
-    return torch.arange(keep_pairs, dtype=torch.int64) * num_pairs // keep_pairs
+    return torch.arange(keep_pairs, dtype=torch.int64, device=device) * num_pairs // keep_pairs
 
 
 class LightningIndexer(nn.Module):
@@ -316,7 +316,7 @@ class LightningIndexer(nn.Module):
             raise ValueError(f"the rotary tables have {R} dims; the indexer needs an even number >= rope_dim={self.rope_dim}")
         if R == self.rope_dim:
             return cos, sin
-        sel = rope_frequency_subset(R // 2, self.rope_dim // 2).to(cos.device)
+        sel = rope_frequency_subset(R // 2, self.rope_dim // 2, cos.device)  # built there: no host-to-GPU copy
         cut = lambda t: torch.cat([t[..., sel], t[..., sel]], dim=-1)  # noqa: E731
         return cut(cos), cut(sin)
 

@@ -196,3 +196,24 @@ def test_indexer_loss_runs_once_per_layer_under_checkpointing(model_type, stage,
     assert indexer_grads[0], "the indexer must receive gradients"
     _assert_bitwise(*indexer_grads)
     _assert_bitwise(*grads)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_patched_step_reads_no_index_range_on_the_host(model_type, monkeypatch):
+    """The step's selections are its own: the ops skip the range check (a GPU sync per op and layer)."""
+    from hyscale_hf.kernels import checks
+
+    reads = []
+    real = checks.check_indices
+
+    def spy(indices, batch, queries, num_keys, check_range=True):
+        reads.append(check_range)
+        return real(indices, batch, queries, num_keys, check_range=check_range)
+
+    for module in ("hyscale_hf.kernels.sparse_attn.op", "hyscale_hf.kernels.sparse_attn.mla",
+                   "hyscale_hf.kernels.indexer_kl.op"):
+        monkeypatch.setattr(f"{module}.check_indices", spy)
+    model = _patched(model_type)
+    model.gradient_checkpointing_enable()
+    _step(model, _ids())
+    assert reads and not any(reads)

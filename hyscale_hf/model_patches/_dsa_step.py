@@ -95,7 +95,8 @@ class GQAAttention:
         self.shape, self.device = (q.shape[0], q.shape[1], k.shape[1]), q.device  # shape: (B, S, T)
 
     def attend_selected(self, indices: torch.Tensor, backend: str):
-        return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend)
+        return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend,
+                                check_range=False)  # the step's own selections (see dsa_attention)
 
     attend_window = attend_selected
 
@@ -159,13 +160,14 @@ class MLAAttention:
         # attn_q comes back without gradient (the KL target and the recall probe only read it); the
         # attention rebuilds it from q_nope in backward instead of keeping it (see kernels/sparse_attn/mla.py).
         o, lse, self.attn_q = mla_sparse_attention(self.q_nope, self.q_rot, self.w_uk, self.kv, indices,
-                                                   value_dim=self.value_dim, scale=self.scale, backend=backend)
+                                                   value_dim=self.value_dim, scale=self.scale, backend=backend,
+                                                   check_range=False)
         return self._with_sinks(o, lse, backend)
 
     def attend_window(self, indices: torch.Tensor, backend: str):
         self.attn_q = absorbed_query(self.q_nope, self.q_rot, self.w_uk)  # through plain autograd
         o, lse = sparse_attention(self.attn_q, self.kv, self.kv[..., : self.value_dim], indices, scale=self.scale,
-                                  return_lse=True, backend=backend)
+                                  return_lse=True, backend=backend, check_range=False)
         return self._with_sinks(o, lse, backend)
 
     def attend_all(self, vis: Visibility, backend: str):
@@ -268,6 +270,10 @@ def dsa_attention(
     Returns:
         ``(output, indices, probabilities)``: indices int32 ``[B, S, K]`` of the sparse stage (None
         otherwise); probabilities fp32 ``[B, H, S, T]`` when ``weights``, else None.
+
+    The selections the step attends over are its own (``hytopk``'s, a source layer's, a window built
+    here), in range by construction, so the ops skip their range check (``check_range=False``): it
+    reads the indices on the host, a GPU sync per op and layer.
     """
     cfg = state.config
     B, S, T = attention.shape
@@ -362,7 +368,7 @@ def _indexer_loss(attention, index, indices, lse, vis: Visibility, compaction: C
         if vis.query_real is not None:  # padding queries are no training signal
             indices = indices.masked_fill(~vis.query_real[..., None], -1)
         return indexer_kl_loss(iq, ik, iw, attn_q, attn_k, indices, attn_lse=lse, scale=attention.scale,
-                               relu=cfg.relu, backend=cfg.backend)
+                               relu=cfg.relu, backend=cfg.backend, check_range=False)
     (iq, ik, iw, attn_q, attn_k, lse), windows = _dense_inputs(attention, index, vis, compaction, lse)
     kl = indexer_kl_loss(iq, ik, iw, attn_q, attn_k, None, attn_lse=lse, scale=attention.scale, relu=cfg.relu,
                          reduction="none", backend=cfg.backend, **windows)

@@ -250,6 +250,7 @@ def indexer_kl_loss(
     reduction: str = "mean",
     backend: str = "auto",
     config: IndexerKLConfig | None = None,
+    check_range: bool = True,
 ):
     """``KL(p[i] || softmax(I[i]))`` per query, averaged (DeepSeek-V3.2-Exp, section 2.1).
 
@@ -278,6 +279,8 @@ def indexer_kl_loss(
             run on the torch reference, and asking ``"triton"`` for those is a ``ValueError``).
         config: Triton only: launch tiles of its kernels (``IndexerKLConfig``; None = the measured
             defaults, ``op.DEFAULT_CONFIG``).
+        check_range: as in ``sparse_attention``: ``False`` skips the host sync that reads the
+            range of ``indices``, for indices known to be in range.
 
     Returns:
         The loss (fp32 scalar, or ``[B, S]`` with ``reduction="none"``).
@@ -320,7 +323,7 @@ def indexer_kl_loss(
     check_same_device(index_q=index_q, index_k=index_k, index_w=index_w, attn_q=attn_q, attn_k=attn_k,
                       indices=indices, attn_lse=attn_lse)
     if indices is not None:
-        check_indices(indices, B, S, T)
+        check_indices(indices, B, S, T, check_range=check_range)
     else:
         check_cu_seqlens(cu_seqlens, B, S, T, index_q.device)
     if reduction not in ("mean", "sum", "none"):

@@ -76,6 +76,7 @@ def mla_sparse_attention(
     backend: str = "auto",
     deterministic: bool | None = None,
     config: SparseAttentionConfig | None = None,
+    check_range: bool = True,
 ):
     """Sparse attention in MLA absorbed form: ``sparse_attention(attn_q, kv, kv[..., :value_dim], indices)``
     with ``attn_q = cat([einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], -1)``.
@@ -87,7 +88,7 @@ def mla_sparse_attention(
         kv: ``[B, T, 1, C + R]`` one latent row per token (normalised latent, rotated key).
         indices: int32 ``[B, S, K]`` selected rows (``-1`` skipped).
         value_dim: the values are ``kv[..., :value_dim]`` (C for MLA); their gradient adds into ``kv``.
-        scale, backend, deterministic, config: as in ``sparse_attention``.
+        scale, backend, deterministic, config, check_range: as in ``sparse_attention``.
 
     Returns:
         ``(o [B, S, H, value_dim], lse [B, S, H] fp32, attn_q [B, S, H, C + R])``; ``attn_q`` carries no
@@ -111,7 +112,7 @@ def mla_sparse_attention(
     if not 0 < value_dim <= C + R:
         raise ValueError(f"value_dim must be in (0, {C + R}], got {value_dim}")
     check_same_device(q_nope=q_nope, q_rot=q_rot, w_uk=w_uk, kv=kv, indices=indices)
-    check_indices(indices, B, S, kv.shape[1])
+    check_indices(indices, B, S, kv.shape[1], check_range=check_range)
 
     unsupported = None if HAS_TRITON else "no Triton"
     if unsupported is None and q_nope.dtype != kv.dtype:  # attn_q is built in q_nope's dtype

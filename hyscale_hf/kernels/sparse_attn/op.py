@@ -83,6 +83,7 @@ def sparse_attention(
     backend: str = "auto",
     deterministic: bool | None = None,
     config: SparseAttentionConfig | None = None,
+    check_range: bool = True,
 ):
     """``o[b, i, h] = sum_{s in S_i} softmax_s(scale * q[b, i, h] . k[b, s, g(h)]) v[b, s, g(h)]``.
 
@@ -113,6 +114,9 @@ def sparse_attention(
             (default) follows ``torch.are_deterministic_algorithms_enabled()``.
         config: Triton only: tile shapes and kernel variants (``SparseAttentionConfig``; None = the
             measured defaults, ``host.DEFAULT_CONFIG``). The tuning script sweeps it.
+        check_range: read the indices' range and raise on entries outside ``[-1, T)`` (one host
+            sync). ``False`` only for indices known to be in range, such as ``hytopk``'s: patched
+            models pass it, so a training step does not wait on the GPU once per layer for it.
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
@@ -147,7 +151,7 @@ def sparse_attention(
     if Dv < 1:
         raise ValueError(f"v must have Dv >= 1 dims per head (shape {vdoc}), got shape {tuple(v.shape)}")
     check_same_device(q=q, k=k, v=v, indices=indices)
-    check_indices(indices, B, S, T)
+    check_indices(indices, B, S, T, check_range=check_range)
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
     if scale is None:

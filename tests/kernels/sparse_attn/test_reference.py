@@ -124,3 +124,14 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
     q, k, v, idx = _inputs()
     with pytest.raises(ValueError, match="cannot run on cpu"):
         sparse_attention(q, k, v, idx, backend="triton")
+
+
+def test_check_range_false_skips_only_the_range_read():
+    from hyscale_hf.kernels.checks import check_indices
+
+    bad = torch.full((1, 3, 2), 9, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"indices must lie in \[-1, 5\)"):
+        check_indices(bad, 1, 3, 5)
+    check_indices(bad, 1, 3, 5, check_range=False)  # trusted: not read
+    with pytest.raises(TypeError, match="int32"):  # dtype and shape are still checked
+        check_indices(bad.long(), 1, 3, 5, check_range=False)
