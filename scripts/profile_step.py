@@ -87,7 +87,7 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
             sync(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
     finally:
-        del model, optimizer
+        model = optimizer = None  # free the arm before the next T is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
     kernels = kernel_times(prof, on_gpu)

@@ -6,7 +6,6 @@ replays the selection and writes what the comparison table reads. ~15 s on a 2-c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 import hyscale_hf
 from tests.distributed.test_fsdp2_cpu import CPU_CONFIG, ROOT, TIMEOUT_S, _env, _run
+from tests.support.scripts import load_script
 
 SCRIPT = ROOT / "scripts" / "bench_fsdp2.py"
 
@@ -35,8 +35,6 @@ def test_bench_fsdp2_tiny_two_processes(tmp_path):
     stats = result["selection_stats"]  # summed over processes: one sequence per process and step
     assert stats["indexer_forward"] == 2 * steps * layers and stats["indexer_recompute"] == 0
 
-    spec = importlib.util.spec_from_file_location("bench_fsdp2", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_fsdp2")
     table = bench.compare([str(out), str(out)])
     assert "two.json" in table and "0.00e+00" in table

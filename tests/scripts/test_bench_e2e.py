@@ -1,23 +1,18 @@
 """scripts/bench_e2e.py runs end to end at a tiny size on the CPU (the GPU run uses the same code)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 import hyscale_hf
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_e2e.py"
+from tests.support.scripts import load_script
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_bench_e2e_tiny(tmp_path):
     if "glm_moe_dsa" not in hyscale_hf.supported_model_types():
         pytest.skip("glm_moe_dsa is not patchable with the installed Transformers")
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_e2e")
     bench.main(["--tiny", "--arms", "hyscale", "dense", "lean_off", "--seqlens", "16", "32", "--reps", "1", "--warmup", "0",
                 "--search-arms", "hyscale", "--search-max", "64", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench_e2e.json").read_text())
@@ -33,9 +28,7 @@ def test_bench_e2e_tiny(tmp_path):
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_bench_e2e_tiny_smollm2_stack(tmp_path):
     """The converted-dense-model stack: a Llama with and without patch_model, in the same run."""
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_e2e")
     bench.main(["--tiny", "--stack", "smollm2", "--arms", "hyscale", "dense", "--seqlens", "32", "--reps", "1",
                 "--warmup", "0", "--search-arms", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench_e2e.json").read_text())

@@ -1,23 +1,18 @@
 """scripts/bench_replay.py runs end to end at a tiny size on the CPU (the GPU run uses the same code)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 import hyscale_hf
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_replay.py"
+from tests.support.scripts import load_script
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_bench_replay_tiny(tmp_path, monkeypatch):
     if "glm_moe_dsa" not in hyscale_hf.supported_model_types():
         pytest.skip("glm_moe_dsa is not patchable with the installed Transformers")
-    spec = importlib.util.spec_from_file_location("bench_replay", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_replay")
     monkeypatch.setattr("sys.argv", ["bench_replay.py", "--tiny", "--seqlens", "24", "--reps", "1", "--rounds", "1",
                                      "--warmup", "0", "--out", str(tmp_path)])
     bench.main()

@@ -1,19 +1,14 @@
 """scripts/profile_step.py profiles one training step at a tiny size on the CPU (the GPU run uses the same code)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
+from tests.support.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_step")
 
 
 def test_categories_sort_kernel_names():

@@ -4,26 +4,15 @@ A device fault (illegal address) poisons the CUDA context: every later config wo
 same error and be reported as a config error. The sweep must keep what it measured and stop.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig, host
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_sparse_attention.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("tune_sparse_attention", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.support.scripts import load_script
 
 
 def test_sweep_stops_at_a_device_fault_and_keeps_earlier_rows(monkeypatch):
-    tune = load_script()
+    tune = load_script("tune_sparse_attention")
     q = torch.zeros(1, 4, 2, 8)
     monkeypatch.setattr(tune, "shapes", lambda name, T: (q, q, q, (q,)))
     monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.zeros(*a))
