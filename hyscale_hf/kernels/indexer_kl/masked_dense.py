@@ -56,8 +56,8 @@ def fits(index_q, index_k, index_w, attn_q, attn_k, indices) -> bool:
 
 
 def key_bias(indices, start, end, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, c, T]`` logit offsets of one query chunk: the selection's log-multiplicities (``indices``
-    ``[B, c, K]``), or ``0`` / ``-inf`` for the keys visible / hidden in the windows ``start``, ``end``."""
+    """``[B, S, T]`` logit offsets: the selection's log-multiplicities (``indices`` ``[B, S, K]``), or
+    ``0`` / ``-inf`` for the keys visible / hidden in the windows ``start``, ``end``."""
     if indices is not None:
         return selection_bias(indices, num_keys, dtype)
     visible = visible_mask(start, end, 0, num_keys)
@@ -75,8 +75,7 @@ def indexer_kl_masked_dense(index_q, index_k, index_w, attn_q, attn_k, indices=N
     Hq = attn_q.shape[2]
     dt = compute_dtype(index_q, index_k, index_w, attn_q, attn_k)
     start, end = query_windows(B, S, T, cu_seqlens=cu_seqlens, window_start=window_start, device=index_q.device)
-    bias = torch.cat([key_bias(None if indices is None else indices[:, c0:c1], start[:, c0:c1], end[:, c0:c1], T, dt)
-                      for c0, c1 in _chunks(S, CHUNK_BYTES // (4 * B * T))], dim=1)
+    bias = key_bias(indices, start, end, T, dt)  # [B, S, T], within MAX_SAVED_BYTES (fits)
     has_key = torch.isfinite(bias).any(-1)  # [B, S]
     bias = bias.masked_fill(~has_key[..., None], 0.0)  # a query with no key: finite softmaxes, KL set to 0 below
     with torch.no_grad():
