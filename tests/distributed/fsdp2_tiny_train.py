@@ -63,12 +63,18 @@ def eval_tokens() -> torch.Tensor:
 
 
 def sharded_layers(model: torch.nn.Module) -> list[str]:
-    """Decoder layers that are FSDP2 units of their own (directly, or under a CheckpointWrapper)."""
+    """Decoder layers that are FSDP2 units of their own: the layer itself, or the CheckpointWrapper around
+    it (accelerate 1.15 shards the wrapped layer, 1.16 the wrapper; either way one unit per layer)."""
     from torch.distributed.fsdp import FSDPModule
 
     layers = model.get_decoder().layers
-    return [type(getattr(m, "_checkpoint_wrapped_module", m)).__name__ for m in layers
-            if isinstance(getattr(m, "_checkpoint_wrapped_module", m), FSDPModule)]
+    names = []
+    for m in layers:
+        inner = getattr(m, "_checkpoint_wrapped_module", m)
+        if isinstance(m, FSDPModule) or isinstance(inner, FSDPModule):
+            name = type(inner).__name__
+            names.append(name.removeprefix("FSDP") if isinstance(inner, FSDPModule) else name)  # fully_shard renames
+    return names
 
 
 def tiny_glm5() -> torch.nn.Module:
