@@ -42,6 +42,17 @@ class HyScaleConfig:
         lm_loss_chunk: when set (tokens, e.g. 16384), a forward with ``labels`` computes the causal-LM
             loss that many tokens at a time (``kernels.chunked_cross_entropy``) instead of building the
             ``[B, T, vocab]`` logits, and returns ``logits=None``. ``None``: the model's own loss.
+        tile_tokens: when set (tokens, e.g. 65536), the token-wise work of a patched layer runs that many
+            tokens at a time, each tile checkpointed, so its activations are O(tile) instead of O(T):
+            every decoder layer's MLP, and in the sparse stage a native DSA layer's query side (query
+            projections, sparse attention, output projection) and its indexer KL loss. The selection
+            and the keys (one latent row and one indexer key per token) are computed whole. Costs one
+            more forward of the tiled work per step; results equal the untiled ones within rounding
+            (docs/design.md section 11). ``None``: untiled.
+        offload_activations: keep the checkpointed layers' saved inputs, and the indexer-loss gradients
+            held from forward to backward, in pinned host memory; copies run on a side stream and the
+            previous layer's are fetched during the current layer's backward (``hyscale_hf.offload``).
+            Needs ``selection_replay`` (it rides on the same checkpoint wiring). No effect on CPU tensors.
     """
 
     topk: int | None = None
@@ -55,9 +66,11 @@ class HyScaleConfig:
     backend: str = "auto"
     lean_activations: bool = True
     lm_loss_chunk: int | None = None
+    tile_tokens: int | None = None
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("topk", "index_n_heads", "index_head_dim", "lm_loss_chunk"):
+        for name in ("topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "tile_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"HyScaleConfig.{name} must be a positive int or None, got {value!r}")
@@ -65,6 +78,11 @@ class HyScaleConfig:
             raise ValueError(f"HyScaleConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.verify_replay and not self.selection_replay:
             raise ValueError("HyScaleConfig.verify_replay=True needs selection_replay=True (it checks the replayed selection)")
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"HyScaleConfig.offload_activations must be a bool, got {self.offload_activations!r}")
+        if self.offload_activations and not self.selection_replay:
+            raise ValueError("HyScaleConfig.offload_activations=True needs selection_replay=True (the offload "
+                             "rides on the replaying checkpoint of each layer)")
         if not isinstance(self.indexer_loss_coef, (int, float)) or self.indexer_loss_coef < 0:
             raise ValueError(
                 f"HyScaleConfig.indexer_loss_coef must be a non-negative number, got {self.indexer_loss_coef!r}"

@@ -27,6 +27,7 @@ import inspect
 import torch
 from torch import nn
 
+from .offload import model_offload
 from .replay import replaying
 from .state import PatchState, in_backward
 
@@ -49,16 +50,19 @@ class _LossWithGradient(torch.autograd.Function):
 
     Backward hands out ``grads`` scaled by the incoming gradient, so the loss joins the graph (through
     ``attach_indexer_loss``) exactly as the loss itself would, without its graph or saved tensors.
+    ``offload`` (a ``HostOffload`` or None) holds ``grads`` in host memory until then.
     """
 
     @staticmethod
-    def forward(ctx, value: torch.Tensor, grads: tuple, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.grads = grads  # an attribute, not save_for_backward: no checkpoint recomputes it
+    def forward(ctx, value: torch.Tensor, grads: tuple, offload, *tensors: torch.Tensor) -> torch.Tensor:
+        # An attribute, not save_for_backward: no checkpoint recomputes it.
+        ctx.offload, ctx.grads = offload, grads if offload is None else offload.stash(grads)
         return value.detach().clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return (None, None, *(g if g is None else (g * grad).to(g.dtype) for g in ctx.grads))
+        grads = ctx.grads if ctx.offload is None else ctx.offload.fetch(ctx.grads)
+        return (None, None, None, *(g if g is None else (g * grad).to(g.dtype) for g in grads))
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
@@ -78,21 +82,85 @@ def indexer_loss_once(hidden: torch.Tensor, index: tuple, loss_fn, state: PatchS
     """
     if torch.compiler.is_compiling():
         return attach_indexer_loss(hidden, loss_fn(*index), state)
-    if in_backward() and replaying():
-        # A replaying checkpoint's recompute: its forward computed the loss and the gradient is on its
-        # way. Other recomputes compute it: a reentrant checkpoint ran its forward without grad, and a
-        # non-reentrant one without the replay context only keeps its recompute's saved tensors.
+    if _replayed_recompute():
         return hidden
+    loss, grads = _loss_and_grads(index, loss_fn, state)
+    if grads is None:
+        return attach_indexer_loss(hidden, loss, state)  # recorded only
+    return attach_indexer_loss(hidden, _LossWithGradient.apply(loss, grads, model_offload(state), *index), state)
+
+
+def _replayed_recompute() -> bool:
+    # A replaying checkpoint's recompute: its forward computed the loss and the gradient is on its way.
+    # Other recomputes compute it: a reentrant checkpoint ran its forward without grad, and a
+    # non-reentrant one without the replay context only keeps its recompute's saved tensors.
+    return in_backward() and replaying()
+
+
+def _loss_and_grads(index: tuple, loss_fn, state: PatchState):
+    """``(loss detached, gradients of the loss with respect to index)``, on detached leaves outside any
+    saved-tensor hooks; gradients None when no gradient is wanted (the loss is then only recorded)."""
     needs = [t.requires_grad for t in index]
     with torch.autograd.graph.saved_tensors_hooks(_keep, _keep), torch.enable_grad():
         leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(index, needs))
         loss = loss_fn(*leaves)
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         if float(state.config.indexer_loss_coef) == 0.0 or not loss.requires_grad or not wanted:
-            return attach_indexer_loss(hidden, loss.detach(), state)  # recorded only
+            return loss.detach(), None
         found = iter(torch.autograd.grad(loss, wanted, materialize_grads=True))
-    grads = tuple(next(found) if need else None for need in needs)
-    return attach_indexer_loss(hidden, _LossWithGradient.apply(loss.detach(), grads, *index), state)
+    return loss.detach(), tuple(next(found) if need else None for need in needs)
+
+
+class TiledIndexerLoss:
+    """``indexer_loss_once`` for a layer whose queries run in tiles (``HyScaleConfig.tile_tokens``).
+
+    ``index`` is ``(q [B, S, H, D], k [B, T, D], w [B, S, H])``. Each ``add(a, b, loss_fn)`` computes the
+    loss of queries ``a:b`` against keys ``:b`` (``loss_fn(q[:, a:b], k[:, :b], w[:, a:b])``, its share of
+    the layer's loss) and its gradients at once, so only one tile's loss inputs exist at a time; the
+    query-side gradients land in their slice, the key gradient adds up in fp32 over tiles. ``join``
+    attaches the summed loss to the layer output as ``indexer_loss_once`` does (recorded once per layer).
+    Nothing is computed in a replaying recompute.
+    """
+
+    def __init__(self, index: tuple, state: PatchState) -> None:
+        self.index, self.state = index, state
+        self.compiling = torch.compiler.is_compiling()
+        self.skip = not self.compiling and _replayed_recompute()
+        self.total = None
+        self.grads = None
+
+    def add(self, a: int, b: int, loss_fn) -> None:
+        if self.skip:
+            return
+        q, k, w = self.index
+        parts = (q[:, a:b], k[:, :b], w[:, a:b])
+        if self.compiling:
+            loss, grads = loss_fn(*parts), None
+        else:
+            loss, grads = _loss_and_grads(parts, loss_fn, self.state)
+        self.total = loss if self.total is None else self.total + loss
+        if grads is None:
+            return
+        if self.grads is None:
+            self.grads = [None if g is None else torch.zeros(t.shape, dtype=torch.float32 if i == 1 else t.dtype,
+                                                              device=t.device)
+                          for i, (t, g) in enumerate(zip(self.index, grads))]
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if i == 1:  # the keys: every later tile sees them again
+                self.grads[i][:, :b].add_(g)
+            else:
+                self.grads[i][:, a:b].copy_(g)
+
+    def join(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.skip or self.total is None:
+            return hidden
+        if self.compiling or self.grads is None:
+            return attach_indexer_loss(hidden, self.total, self.state)
+        grads = tuple(None if g is None else g.to(t.dtype) for g, t in zip(self.grads, self.index))
+        return attach_indexer_loss(hidden, _LossWithGradient.apply(self.total, grads, model_offload(self.state), *self.index),
+                                   self.state)
 
 
 def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchState) -> torch.Tensor:

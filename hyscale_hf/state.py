@@ -45,6 +45,7 @@ build no autograd graph outside the indexer (``indexer.before_forward``). ``sele
     selection_probe: Callable[..., None] | None = None
     warned: set[str] = field(default_factory=set)  # keys of the warnings this model gave (each once)
     load_from: dict | None = None  # patch_model(state_dict=...): set only while the family applies the patch
+    offloader: object | None = None  # the model's hyscale_hf.offload.HostOffload, made at first use
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())

@@ -11,6 +11,9 @@ dimensions (30 layers), the converted-dense-model case. Arms, each on the same t
   replay_off    patch_model(model, selection_replay=False)
   lean_off      patch_model(model, lean_activations=False): RMSNorm and MLP keep what Transformers keeps
                 (not run unless named in --arms)
+  tiled         patch_model(model, tile_tokens=--tile-tokens): token-wise work in checkpointed tiles
+  tiled_offload ... and offload_activations=True: checkpointed layer inputs in pinned host memory
+                (neither run unless named in --arms)
 
 For each arm and T: median step time, tokens/s, peak memory, or "OOM". Then the longest context each
 arm trains at (doubling T from the largest length that fit until a step runs out of memory or takes
@@ -31,7 +34,7 @@ import statistics
 
 import torch
 
-from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, time_ms
+from hyscale_hf.benchmarking.stacks import ARMS, STACKS, TILE_TOKENS, make_arm, time_ms
 from hyscale_hf.kernels import chunked_cross_entropy
 
 DEFAULT_ARMS = ARMS[:4]
@@ -79,7 +82,7 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
     """Timed lengths, then the doubling search for the longest trainable context."""
     rows, longest = [], None
     model, optimizer = make_arm(args.stack, arm, dims, args.layers, max(args.search_max, max(args.seqlens)), device,
-                                dtype)
+                                dtype, tile_tokens=args.tile_tokens)
     try:
         for T in args.seqlens:
             try:
@@ -202,6 +205,8 @@ def main(argv=None) -> dict:
     p.add_argument("--step-cap-s", type=float, default=60.0, help="stop the search once a step takes longer")
     p.add_argument("--loss-chunk", type=int, default=0,
                    help="tokens per LM-head/cross-entropy chunk (0: the model's own loss over whole logits)")
+    p.add_argument("--tile-tokens", type=int, default=None,
+                   help=f"tile_tokens of the tiled arms (default: {TILE_TOKENS}, 16 with --tiny)")
     p.add_argument("--search-arms", nargs="*", default=None, choices=ARMS,
                    help="arms that run the longest-context search (none: skip it)")
     args = p.parse_args(argv)
@@ -217,6 +222,9 @@ def main(argv=None) -> dict:
     dims = stack["tiny"] if args.tiny else stack["dims"]
     args.seqlens = args.seqlens or ([32, 64] if args.tiny else [16384, 32768, 65536, 131072])
     args.search_max = args.search_max or (256 if args.tiny else 1 << 20)
+    args.tile_tokens = args.tile_tokens or (16 if args.tiny else TILE_TOKENS)
+    if args.tile_tokens <= 0:
+        p.error(f"--tile-tokens must be positive, got {args.tile_tokens}")
     import transformers
 
     result = {
@@ -224,7 +232,7 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
-        "loss_chunk": args.loss_chunk, "arms": [],
+        "loss_chunk": args.loss_chunk, "tile_tokens": args.tile_tokens, "arms": [],
     }
     os.makedirs(args.out, exist_ok=True)
     for arm in args.arms:  # the JSON is rewritten after each arm, so a cut-short run keeps what finished

@@ -10,7 +10,9 @@ Two stacks, random init (timing needs the shapes, not the weights):
 
 Each has a toy twin for CPU smoke runs of the scripts (``STACKS[name]["tiny"]``). ``make_arm``
 builds one arm of a stack: ``hyscale`` (patched), ``dense`` (SDPA, no indexer), ``native`` (the
-unpatched DSA model, glm5 only), ``replay_off`` and ``lean_off`` (patched with one feature off).
+unpatched DSA model, glm5 only), ``replay_off`` and ``lean_off`` (patched with one feature off),
+``tiled`` (patched with ``tile_tokens``) and ``tiled_offload`` (``tile_tokens`` and
+``offload_activations``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ STACKS = {
     "glm5": {"dims": GLM5, "tiny": TINY, "layers": 2, "label": "GLM-5-shaped"},
     "smollm2": {"dims": SMOLLM2, "tiny": TINY_LLAMA, "layers": 30, "label": "SmolLM2-135M-shaped Llama"},
 }
-ARMS = ("hyscale", "native", "dense", "replay_off", "lean_off")
+ARMS = ("hyscale", "native", "dense", "replay_off", "lean_off", "tiled", "tiled_offload")
+TILE_TOKENS = 65536  # the tiled arms' tile_tokens unless make_arm is given one
 
 
 def build_model(dims: dict, layers: int, max_t: int, device, dtype, *, model_type: str = "glm_moe_dsa",
@@ -83,7 +86,8 @@ def build_llama(dims: dict, layers: int, max_t: int, device, dtype, *, attn_impl
     return model.train()
 
 
-def make_arm(stack: str, arm: str, dims: dict, layers: int, max_t: int, device, dtype):
+def make_arm(stack: str, arm: str, dims: dict, layers: int, max_t: int, device, dtype, *,
+             tile_tokens: int = TILE_TOKENS):
     """``(model, AdamW)`` of one arm of ``stack`` ("glm5" or "smollm2"), with non-reentrant gradient
     checkpointing on every layer. ``native`` exists for the DSA stack only."""
     import hyscale_hf
@@ -105,6 +109,8 @@ def make_arm(stack: str, arm: str, dims: dict, layers: int, max_t: int, device, 
         hyscale_hf.patch_model(model, selection_replay=False)
     elif arm == "lean_off":
         hyscale_hf.patch_model(model, lean_activations=False)
+    elif arm in ("tiled", "tiled_offload"):
+        hyscale_hf.patch_model(model, tile_tokens=tile_tokens, offload_activations=arm == "tiled_offload")
     enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=torch.device(device).type == "cuda")
     return model, optimizer

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..offload import model_offload, offload_context
 from ..replay import ReplayContextFn
 from ..state import add_undo, base_model, patch_state
 
@@ -60,15 +61,39 @@ _ENTRY_KWARG = {
 
 class _ReplayCheckpointFunc:
     """A layer's ``_gradient_checkpointing_func`` with the replay context added (``inner`` is the
-    function Transformers set, kept for undo; it still applies offload and the user's kwargs)."""
+    function Transformers set, kept for undo; it still applies Transformers' offload and the user's
+    kwargs), and ``HyScaleConfig.offload_activations``' hooks around it (``offload()`` gives them)."""
 
-    def __init__(self, inner: Callable, context_fn: ReplayContextFn) -> None:
+    def __init__(self, inner: Callable, context_fn: ReplayContextFn, offload: Callable | None = None) -> None:
         self.inner = inner
         self.context_fn = context_fn
+        self.offload = offload
 
     def __call__(self, function, *args, **kwargs):
         kwargs = {**kwargs, "use_reentrant": False, "context_fn": self.context_fn}
-        return self.inner(function, *args, **kwargs)
+        with offload_context(self.offload() if self.offload is not None else None):
+            return self.inner(function, *args, **kwargs)
+
+
+class _OffloadSwitch:
+    """The patched model's ``HostOffload`` while its live config asks for offload (read per call)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self):
+        return model_offload(patch_state(self.model))
+
+
+class _OffloadingCheckpoint:
+    """``torch.utils.checkpoint.checkpoint`` under the offload hooks, for ``checkpoint_wrapper``."""
+
+    def __init__(self, offload: _OffloadSwitch) -> None:
+        self.offload = offload
+
+    def __call__(self, function, *args, **kwargs):
+        with offload_context(self.offload()):
+            return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
 
 
 def _checked_checkpoint_kwargs(kwargs: dict | None) -> dict:
@@ -126,7 +151,8 @@ def _install_policy(model: torch.nn.Module, verify: Callable[[], bool]) -> None:
         if _why_not_replayable(func):
             continue  # inactive and not replayable: never called
         inner = func.inner if isinstance(func, _ReplayCheckpointFunc) else func
-        module._gradient_checkpointing_func = _ReplayCheckpointFunc(inner, ReplayContextFn(name, verify))
+        module._gradient_checkpointing_func = _ReplayCheckpointFunc(inner, ReplayContextFn(name, verify),
+                                                                    _OffloadSwitch(model))
 
 
 def _remove_policy(model: torch.nn.Module) -> None:
@@ -361,6 +387,8 @@ def wrap_layers_for_replay(
         wrapped = checkpoint_wrapper(
             child,
             checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+            checkpoint_fn=_OffloadingCheckpoint(_OffloadSwitch(target)),
+            use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
             context_fn=ReplayContextFn(fqn, verify_fn),
         )

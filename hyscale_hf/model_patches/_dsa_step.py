@@ -33,12 +33,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..indexer import indexer_loss_once
+from ..indexer import TiledIndexerLoss, indexer_loss_once
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
 from ..replay import replaying, reuse_indices
 from ..state import PatchState, in_backward
+from ..tiling import run_tile, tile_bounds
 from ..training import observe_selection
 from ._attention_weights import attend_through, layer_weights
 from ._compaction import Compaction
@@ -281,23 +282,13 @@ def dsa_attention(
     compaction = None
     if index is not None and vis.key_mask is not None:  # a padding mask: select in compacted order
         compaction = Compaction(vis.key_mask, vis.windows(B, S, T, attention.device)[0], S, vis.query_pos)
-    if index is None and not shared and window is not None:
-        attended = window_indices(vis, window, B, S, T, attention.device)
-        o, lse = attention.attend_window(attended, cfg.backend)
-    elif cfg.dense_warmup or (index is None and not shared):  # warm-up, or a layer without DSA
+    if sparse_step(cfg, index, shared, window):
+        indices, attended = _selection(state, vis, compaction, attention.shape, attention.device, index=index,
+                                       shared=shared, prev_indices=prev_indices, window=window)
+        attend = attention.attend_selected if indices is not None else attention.attend_window
+        o, lse = attend(attended, cfg.backend)
+    else:  # warm-up, or a layer without DSA
         o, lse = attention.attend_all(vis, cfg.backend)
-    else:
-        if index is not None:
-            # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
-            indices = _select(index, vis, compaction, min(int(cfg.topk), T), cfg)
-            if cfg.selection_replay and in_backward() and not replaying():
-                _warn_selection_recomputed(state)
-        elif prev_indices is None:
-            raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
-        else:
-            indices = reuse_indices(prev_indices)
-        o, lse = attention.attend_selected(indices, cfg.backend)
-        attended = indices
     probabilities = None
     if weights:  # output_attentions: the output comes from the probabilities returned, as in eager attention
         probabilities = layer_weights(attention, attended, vis)
@@ -312,6 +303,108 @@ def dsa_attention(
 
         out = indexer_loss_once(out, index, loss_fn, state)
     return out, indices, probabilities
+
+
+def dsa_attention_tiled(
+    query_tile: Callable,
+    kv: torch.Tensor,
+    state: PatchState,
+    vis: Visibility,
+    shape: tuple,
+    *,
+    index: tuple | None,
+    shared: bool,
+    prev_indices: torch.Tensor | None,
+    window: int | None,
+    training: bool,
+    scale: float,
+    tile: int,
+):
+    """``dsa_attention`` of a sparse step whose queries run in tiles (``HyScaleConfig.tile_tokens``).
+
+    The selection is made for all queries at once (HyTopK keeps O(chunk) memory of its own; selection
+    replay sees one selection op per layer as untiled). Then each tile of queries ``a:b`` runs
+    ``query_tile(a, b, selected)(attended[:, a:b])`` under its own checkpoint (``hyscale_hf.tiling``):
+    the layer's query side from its inputs, attention over the keys ``:b`` it can see, the output
+    projection; it returns ``(output [B, b - a, ...], absorbed query, lse)``, the last two detached (the
+    KL target). The indexer KL of each tile is computed right after it (``TiledIndexerLoss``), as a
+    sum over the tile's queries divided by the layer's count of queries with a key: the same loss as
+    untiled. ``kv``: the attention's keys ``[B, T, 1, C]`` (the KL target's). Returns ``(output, indices)``.
+    """
+    cfg = state.config
+    B, S, T = shape
+    compaction = None
+    if index is not None and vis.key_mask is not None:
+        compaction = Compaction(vis.key_mask, vis.windows(B, S, T, kv.device)[0], S, vis.query_pos)
+    indices, attended = _selection(state, vis, compaction, shape, kv.device, index=index, shared=shared,
+                                   prev_indices=prev_indices, window=window)
+    loss = None
+    if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
+        loss = TiledIndexerLoss(index, state)
+        counted = indices if vis.query_real is None else indices.masked_fill(~vis.query_real[..., None], -1)
+        count = (counted >= 0).any(-1).sum().clamp_min(1)  # a device tensor: no host read
+    bounds = tile_bounds(S, tile)
+    outs = []
+    for a, b in bounds:
+        out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended[:, a:b])
+        outs.append(out)
+        if loss is not None:
+            def loss_fn(iq, ik, iw, a=a, b=b, attn_q=attn_q, lse=lse):
+                kl = indexer_kl_loss(iq, ik, iw, attn_q, kv[:, :b], counted[:, a:b], attn_lse=lse, scale=scale,
+                                     relu=cfg.relu, reduction="sum", backend=cfg.backend, check_range=False)
+                return kl / count
+
+            loss.add(a, b, loss_fn)
+        if index is not None and (a, b) == bounds[-1]:
+            _observe_last_tile(state, index, attn_q, kv, vis, compaction, shape, a, b, scale)
+    out = torch.cat(outs, dim=1)
+    return (out if loss is None else loss.join(out)), indices
+
+
+def _observe_last_tile(state, index, attn_q, kv, vis: Visibility, compaction, shape, a: int, b: int, scale: float):
+    """Top-k recall sampling under tiling: the last tile's queries (they see the most keys) against
+    their keys ``:b``. Under a padding mask (compacted selection) no sample is taken, said once."""
+    if state.selection_probe is None:
+        return
+    if compaction is not None:
+        if "tiled_recall" not in state.warned:
+            state.warned.add("tiled_recall")
+            warnings.warn("hyscale_hf: top-k recall is not sampled in layers whose queries run in tiles "
+                          "(tile_tokens) under a padding attention_mask", UserWarning, stacklevel=4)
+        return
+    B, S, T = shape
+    iq, ik, iw = index
+    window_start = None if vis.plain else vis.windows(B, S, T, kv.device)[0][:, a:b]
+    observe_selection(state, iq[:, a:b], ik[:, :b], iw[:, a:b], attn_q, kv[:, :b], scale=scale,
+                      relu=state.config.relu, window_start=window_start)
+
+
+def sparse_step(cfg, index, shared: bool, window: int | None) -> bool:
+    """Whether a layer attends over a selection (its indexer's, a source layer's, its window) rather than
+    over every visible key (the dense warm-up, a layer without DSA)."""
+    if index is None and not shared:
+        return window is not None
+    return not cfg.dense_warmup
+
+
+def _selection(state: PatchState, vis: Visibility, compaction: Compaction | None, shape: tuple, device, *, index,
+               shared: bool, prev_indices, window: int | None):
+    """``(indices, attended)`` of a sparse step: the indexer's or the source layer's selection (both the
+    same tensor), or a window layer's window (``indices`` None)."""
+    B, S, T = shape
+    cfg = state.config
+    if index is None and not shared:
+        return None, window_indices(vis, window, B, S, T, device)
+    if index is not None:
+        # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
+        indices = _select(index, vis, compaction, min(int(cfg.topk), T), cfg)
+        if cfg.selection_replay and in_backward() and not replaying():
+            _warn_selection_recomputed(state)
+    elif prev_indices is None:
+        raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
+    else:
+        indices = reuse_indices(prev_indices)
+    return indices, indices
 
 
 def _select(index, vis: Visibility, compaction: Compaction | None, topk: int, cfg) -> torch.Tensor:

@@ -13,13 +13,14 @@ layout, query projection, output gates, attention sinks, names).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 
 from ..state import PatchState
 from ._dsa_patch import check_attn_implementation, patch_attention, resolve_indexer_options
-from ._dsa_step import MLAAttention, dsa_attention, wants_weights
+from ._dsa_step import MLAAttention, dsa_attention, dsa_attention_tiled, sparse_step, wants_weights
 from ._visibility import visibility
 
 # ----------------------------------------------------------------------------- family hooks
@@ -50,11 +51,27 @@ class MLADSAFamily:
     # --- main attention
 
     def query(self, attn, x: torch.Tensor, position_ids):
-        """-> (q_nope [B, S, H, nope], q_rot [B, S, H, rope] before RoPE, indexer query input, gate or None)."""
-        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-        q = attn.q_b_proj(q_resid).view(*x.shape[:-1], attn.num_heads, attn.qk_head_dim)
+        """-> (q_nope [B, S, H, nope], q_rot [B, S, H, rope] before RoPE, indexer query input, gate or None).
+
+        A family that overrides it computes its queries its own way, so its query side is not tiled
+        (``tile_tokens``); one that keeps it gets the two halves below, which tiling calls apart."""
+        q_input = self.query_input(attn, x)
+        q_nope, q_rot, gate = self.query_heads(attn, x, q_input)
+        return q_nope, q_rot, q_input, gate
+
+    def query_input(self, attn, x: torch.Tensor) -> torch.Tensor:
+        """The compressed query ``[B, S, q_lora_rank]`` that the query heads and the indexer both read."""
+        return attn.q_a_layernorm(attn.q_a_proj(x))
+
+    def query_heads(self, attn, x: torch.Tensor, q_input: torch.Tensor):
+        """-> (q_nope, q_rot before RoPE, gate or None) from ``query_input``'s output."""
+        q = attn.q_b_proj(q_input).view(*x.shape[:-1], attn.num_heads, attn.qk_head_dim)
         q_nope, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-        return q_nope, q_rot, q_resid, None
+        return q_nope, q_rot, None
+
+    def tiles_queries(self) -> bool:
+        """Whether ``tile_tokens`` can run this family's query side in tiles (it keeps ``query``)."""
+        return type(self).query is MLADSAFamily.query
 
     def latent_kv(self, attn, x: torch.Tensor):
         """-> (normalised latent [B, S, kv_lora_rank], k_rot [B, S, rope] before RoPE) of this call's tokens."""
@@ -237,6 +254,9 @@ def mla_dsa_attention_forward(
     x = hidden_states
     B, S, _ = x.shape
     cos, sin = position_embeddings
+    if _tiled(self, family, state, S, cache, kwargs):
+        return _tiled_forward(self, family, state, x, cos, sin, attention_mask, position_ids, prev_topk_indices,
+                              kwargs)
 
     q_nope, q_rot, q_index_input, gate = family.query(self, x, position_ids)
     latent, k_rot = family.latent_kv(self, x)
@@ -281,6 +301,75 @@ def mla_dsa_attention_forward(
     if family.returns_indices:
         return attn_output, weights, topk_indices
     return attn_output, weights
+
+
+# ----------------------------------------------------------------------------- query tiles
+
+
+def _tiled(attn, family: MLADSAFamily, state: PatchState, S: int, cache, kwargs: dict) -> bool:
+    """Whether this call runs its query side in tiles: ``tile_tokens`` set and exceeded, a sparse step
+    (the dense warm-up attends in query chunks of its own), no cache, no attention weights asked for."""
+    tile = state.config.tile_tokens
+    if tile is None or S <= tile or cache is not None or wants_weights(attn, kwargs):
+        return False
+    indexer, shared = family.indexer(attn), family.is_shared_layer(attn)
+    if not sparse_step(state.config, indexer, shared, family.sliding_window(attn)):
+        return False
+    if not family.tiles_queries():
+        if "untiled_queries" not in state.warned:
+            state.warned.add("untiled_queries")
+            warnings.warn(f"hyscale_hf: {family.model_type} computes its queries its own way, so tile_tokens tiles "
+                          "its MLPs but not its attention's query side", UserWarning, stacklevel=3)
+        return False
+    return True
+
+
+def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, attention_mask, position_ids,
+                   prev_topk_indices, kwargs):
+    """The patched forward with the query side in tiles of ``tile_tokens`` (``dsa_attention_tiled``).
+
+    Computed whole: the compressed query (the indexer reads it), the latent keys, the indexer and the
+    selection. Per tile, checkpointed: the query heads, RoPE, attention over the keys the tile sees, W_UV
+    and o_proj. The same ops as the untiled forward on each query's rows.
+    """
+    B, S, _ = x.shape
+    q_input = family.query_input(self, x)
+    latent, k_rot_raw = family.latent_kv(self, x)
+    k_rot = family.apply_main_rope(self, k_rot_raw[:, :, None], k_rot_raw, cos, sin)[1]  # keys only
+    w_uk, w_uv = _absorb_weights(self)
+    attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, T, 1, C + R]
+    indexer = family.indexer(self)
+    index = None
+    if indexer is not None:
+        index = family.indexer_qkw(indexer, x.detach(), q_input.detach(), cos.detach(), sin.detach(), position_ids)
+    window = family.sliding_window(self)
+    vis = visibility(attention_mask, position_ids, kwargs, B, S, S, sliding_window=window, device=x.device)
+    sinks = family.sinks(self)
+
+    def query_tile(a: int, b: int, selected: bool):
+        def run(attended):
+            q_nope, q_rot, gate = family.query_heads(self, x[:, a:b], q_input[:, a:b])
+            q_rot = family.apply_main_rope(self, q_rot, k_rot_raw[:, a:b], cos[:, a:b], sin[:, a:b])[0]
+            pos = None if position_ids is None else position_ids[:, a:b]
+            q_nope, q_rot = family.scale_query(self, q_nope, q_rot, pos)
+            attention = MLAAttention(q_nope, q_rot, w_uk, attn_k[:, :b], value_dim=self.kv_lora_rank,
+                                     scale=self.scaling, sinks=sinks, name=family.model_type)
+            attend = attention.attend_selected if selected else attention.attend_window
+            o_latent, lse = attend(attended, state.config.backend)
+            o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
+            out = self.o_proj(family.finish_output(self, x[:, a:b], o, gate))
+            return out, attention.attn_q.detach(), lse.detach()
+
+        return run
+
+    attn_output, topk_indices = dsa_attention_tiled(
+        query_tile, attn_k, state, vis, (B, S, S), index=index, shared=family.is_shared_layer(self),
+        prev_indices=prev_topk_indices, window=window, training=self.training, scale=self.scaling,
+        tile=state.config.tile_tokens,
+    )
+    if family.returns_indices:
+        return attn_output, None, topk_indices
+    return attn_output, None
 
 
 # ----------------------------------------------------------------------------- apply

@@ -45,6 +45,9 @@ PRESETS = {
 # (--topk, --index_n_heads and --index_head_dim given on the command line still apply to it).
 BUILT_MODEL_KEYS = ("hidden_size", "num_layers", "topk", "index_n_heads", "index_head_dim")
 BUILT_ONLY = ("hidden_size", "num_layers")
+# Memory options picked by context length when not given (docs/design.md section 11): tiling from past
+# 128K tokens, offload from 512K.
+AUTO_TILE_FROM, AUTO_TILE_TOKENS, AUTO_OFFLOAD_FROM = 131072, 65536, 524288
 TOPK_FRACTION = 8  # a dense model converted to DSA keeps seq_len / 8 keys per query unless --topk is given
 DEFAULT_OUTPUT_DIR = "hyscale_finetune_long"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -115,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--indexer_loss_coef", type=float, help="weight of the indexer KL loss (default: HyScaleConfig's, 1e-3)")
     run.add_argument("--lm_loss_chunk", type=int, help="compute the LM loss this many tokens at a time, so the "
                      "[seq_len, vocab] logits never exist whole (default: off)")
+    run.add_argument("--tile_tokens", type=int, help="run each layer's token-wise work (MLPs, a DSA layer's query side "
+                     "and indexer loss) this many tokens at a time (HyScaleConfig.tile_tokens) [default: "
+                     f"{AUTO_TILE_TOKENS} when --seq_len exceeds {AUTO_TILE_FROM}, else off]")
+    run.add_argument("--offload_activations", dest="offload_activations", action="store_const", const=True,
+                     help="keep checkpointed layer inputs in pinned host memory (HyScaleConfig.offload_activations; "
+                     f"needs gradient checkpointing) [default: on from --seq_len {AUTO_OFFLOAD_FROM} on a GPU]")
+    run.add_argument("--no_offload_activations", dest="offload_activations", action="store_const", const=False,
+                     help="keep them on the device")
     run.add_argument("--gradient_checkpointing", dest="gradient_checkpointing", action="store_const", const=True,
                      help="recompute activations in backward, with selection replay [preset: on, off for cpu]")
     run.add_argument("--no_gradient_checkpointing", dest="gradient_checkpointing", action="store_const", const=False,
@@ -192,12 +203,13 @@ def parse_args(argv=None, *, on_gpu: bool | None = None) -> argparse.Namespace:
     if args.tiny and args.preset not in (None, "tiny"):
         parser.error(f"--tiny is --preset tiny; it contradicts --preset {args.preset}")
     args.preset = "tiny" if args.tiny else (args.preset or ("gpu" if on_gpu else "cpu"))
-    validate(parser, args)
+    validate(parser, args, on_gpu=on_gpu)
     return args
 
 
-def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Fill preset values in ``args`` and check every option (no model, data or network needed)."""
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, *, on_gpu: bool = False) -> None:
+    """Fill preset values in ``args`` and check every option (no model, data or network needed); ``on_gpu``
+    decides the offload default."""
     err = parser.error
     if args.index_topk is not None:
         if args.topk is not None and args.topk != args.index_topk:
@@ -222,7 +234,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             if key in args.given:
                 err(f"--{key} applies to a pretrained --model, not the built random-init model")
     positive = ["seq_len", "max_steps", "batch_size", "grad_accum", "logging_steps", "passkey_trials", "eval_tokens",
-                "save_total_limit", "topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "passkey_length",
+                "save_total_limit", "topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "tile_tokens",
+                "passkey_length",
                 "eval_steps", "hidden_size", "num_layers"]
     for name in positive:
         value = getattr(args, name)
@@ -233,6 +246,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             err(f"--{name} must be non-negative, got {getattr(args, name)}")
     if args.seq_len < 2:
         err(f"--seq_len must be at least 2, got {args.seq_len}")
+    _memory_options(err, args, on_gpu)
     if args.dense_pretrain_steps + args.dense_warmup_steps > args.max_steps:
         err(f"--dense_pretrain_steps {args.dense_pretrain_steps} + --dense_warmup_steps {args.dense_warmup_steps} "
             f"exceed --max_steps {args.max_steps}")
@@ -273,6 +287,18 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.dataset is not None:
         _check_source(parser, "--dataset", args.dataset, folder=False, suffixes=_DATA_SUFFIXES)
     _validate_output(err, args)
+
+
+def _memory_options(err, args, on_gpu: bool) -> None:
+    """``--tile_tokens`` / ``--offload_activations``: the given values, else picked by ``--seq_len``."""
+    if args.offload_activations and args.gradient_checkpointing is False:
+        err("--offload_activations moves what checkpointed layers keep; it needs --gradient_checkpointing "
+            "(off here: --no_gradient_checkpointing, or the cpu preset)")
+    if args.tile_tokens is None and args.seq_len > AUTO_TILE_FROM:
+        args.tile_tokens = AUTO_TILE_TOKENS
+    if args.offload_activations is None:
+        args.offload_activations = bool(on_gpu and args.seq_len >= AUTO_OFFLOAD_FROM
+                                        and args.gradient_checkpointing is not False)
 
 
 def _validate_lora(err, args) -> None:

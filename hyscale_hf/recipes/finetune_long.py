@@ -196,8 +196,9 @@ def patch(args, model):
 
     from .args import TOPK_FRACTION
 
-    overrides = {name: getattr(args, name) for name in ("indexer_loss_coef", "lm_loss_chunk")
+    overrides = {name: getattr(args, name) for name in ("indexer_loss_coef", "lm_loss_chunk", "tile_tokens")
                  if getattr(args, name) is not None}
+    overrides["offload_activations"] = bool(args.offload_activations)
     if "topk" in args.given or args.model is None:
         overrides["topk"] = args.topk
     elif getattr(model.config, "index_topk", None) is None:

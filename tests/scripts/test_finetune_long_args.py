@@ -72,10 +72,26 @@ def _error(capsys, argv, on_gpu=False) -> str:
     (["--eval_steps", "5"], "--eval_steps needs an evaluation set"),
     (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], "--resume_from_checkpoint /nonexistent/checkpoint-3: no such folder"),
     (["--resume_from_checkpoint", "--overwrite_output_dir"], "give one"),
+    (["--tile_tokens", "0"], "--tile_tokens must be positive"),
+    (["--offload_activations"], "--offload_activations moves what checkpointed layers keep; it needs --gradient_checkpointing"),
 ])
 def test_bad_arguments_are_refused_by_name(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     assert message in _error(capsys, argv)
+
+
+def test_memory_options_follow_the_context_length_unless_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    short = parse_args(["--tiny"], on_gpu=True)
+    assert (short.tile_tokens, short.offload_activations) == (None, False)
+    long = parse_args(["--tiny", "--seq_len", "262144"], on_gpu=True)
+    assert (long.tile_tokens, long.offload_activations) == (65536, False)
+    huge = parse_args(["--tiny", "--seq_len", "1048576"], on_gpu=True)
+    assert (huge.tile_tokens, huge.offload_activations) == (65536, True)
+    assert not parse_args(["--tiny", "--seq_len", "1048576"], on_gpu=False).offload_activations  # host memory already
+    given = parse_args(["--tiny", "--seq_len", "1048576", "--tile_tokens", "4096", "--no_offload_activations"],
+                       on_gpu=True)
+    assert (given.tile_tokens, given.offload_activations) == (4096, False)
 
 
 def test_model_folder_without_config(capsys, tmp_path):

@@ -1,0 +1,166 @@
+"""Sequence tiling (``tile_tokens``) and activation offload (``offload_activations``) on patched models:
+a checkpointed training step of a tiny GLM-5 (full, IndexShare shared, full indexer layers; MoE) and a
+tiny Llama (indexer added) gives the loss and gradients of the untiled step (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hyscale_hf
+from hyscale_hf import patch_model, patched_config
+from hyscale_hf.kernels import sparse_attn
+from hyscale_hf.offload import HostOffload
+from hyscale_hf.state import in_backward, patch_state
+from tests.test_replay_models import B, T, _build, _grads, _ids
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+MODELS = ["glm_moe_dsa", "llama"]
+TILE = 7  # T = 24 -> tiles of 7, 7, 7, 3
+
+
+def _patched(model_type, checkpointing=True, **config):
+    model, options = _build(model_type)
+    patch_model(model, **options, **config)
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    if config.get("offload_activations"):  # CPU tensors take the offload path too (plain copies)
+        patch_state(model).offloader = HostOffload(min_bytes=0, devices=("cpu",))
+    return model
+
+
+def _step(model, **inputs):
+    ids = _ids()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, **inputs)
+    out.loss.backward()
+    return out.loss.detach(), patch_state(model).pop_indexer_loss(), _grads(model)
+
+
+def _assert_close_grads(got, want):
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=2e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("offload", [False, True])
+def test_tiled_checkpointed_step_equals_the_untiled_one(model_type, offload):
+    loss, kl, grads = _step(_patched(model_type))
+    hyscale_hf.reset_selection_stats()
+    model = _patched(model_type, tile_tokens=TILE, offload_activations=offload)
+    got_loss, got_kl, got_grads = _step(model)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    assert got_kl == pytest.approx(kl, rel=1e-5)
+    _assert_close_grads(got_grads, grads)
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] > 0  # replay unchanged
+    if offload:
+        off = patch_state(model).offloader.stats
+        assert off["offloaded"] > 0  # layer inputs and the indexer-loss gradients went through it
+        assert off["prefetched"] > 0
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_tiled_step_without_checkpointing_equals_the_untiled_one(model_type):
+    loss, kl, grads = _step(_patched(model_type, checkpointing=False))
+    got_loss, got_kl, got_grads = _step(_patched(model_type, checkpointing=False, tile_tokens=TILE))
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    assert got_kl == pytest.approx(kl, rel=1e-5)
+    _assert_close_grads(got_grads, grads)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_padding_and_packing_tile_like_untiled(model_type):
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    mask[1, 10:13] = 0  # a hole
+    positions = torch.cat([torch.arange(9), torch.arange(T - 9)])[None].expand(B, T)  # two packed sequences
+    for inputs in ({"attention_mask": mask}, {"position_ids": positions}):
+        loss, kl, grads = _step(_patched(model_type), **inputs)
+        got_loss, got_kl, got_grads = _step(_patched(model_type, tile_tokens=TILE), **inputs)
+        torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+        assert got_kl == pytest.approx(kl, rel=1e-5)
+        _assert_close_grads(got_grads, grads)
+
+
+def test_the_mlps_and_the_mla_query_side_run_in_tiles(monkeypatch):
+    model = _patched("glm_moe_dsa", tile_tokens=TILE)
+    seen = {"mlp": [], "attention": [], "attention_in_backward": 0}
+    for layer in model.model.layers:
+        tiled = layer.mlp.forward  # the tiled forward, around the MLP's own (or lean) forward
+        inner = tiled._inner()
+
+        def counting(x, inner=inner):
+            seen["mlp"].append(x.shape[1])
+            return inner(x)
+
+        tiled.previous = counting
+    original = sparse_attn.mla.mla_sparse_attention
+
+    def counting_attention(q_nope, *args, **kwargs):
+        seen["attention"].append(q_nope.shape[1])
+        seen["attention_in_backward"] += in_backward()
+        return original(q_nope, *args, **kwargs)
+
+    monkeypatch.setattr("hyscale_hf.model_patches._dsa_step.mla_sparse_attention", counting_attention)
+    _step(model)
+    assert seen["mlp"] and max(seen["mlp"]) <= TILE
+    assert seen["attention"] and max(seen["attention"]) <= TILE
+    assert seen["attention_in_backward"] > 0  # layer recompute and the tiles' own recompute
+
+
+def test_live_tile_tokens_and_the_dense_warm_up():
+    """tile_tokens read at each forward; the warm-up's attention is not tiled (it chunks queries itself),
+    its MLPs are; either way the step equals the untiled one."""
+    ref = _patched("glm_moe_dsa", dense_warmup=True)
+    loss, kl, grads = _step(ref)
+    model = _patched("glm_moe_dsa", dense_warmup=True)
+    patched_config(model).tile_tokens = TILE
+    got_loss, got_kl, got_grads = _step(model)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    assert got_kl == pytest.approx(kl, rel=1e-5)
+    _assert_close_grads(got_grads, grads)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_eval_forward_with_tiles_gives_the_same_logits(model_type):
+    ref = _patched(model_type, checkpointing=False).eval()
+    model = _patched(model_type, checkpointing=False, tile_tokens=TILE).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=_ids()).logits, ref(input_ids=_ids()).logits,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_unpatch_removes_the_tiled_mlp_forwards():
+    model = _patched("llama", checkpointing=False, tile_tokens=TILE)
+    hyscale_hf.unpatch_model(model)
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", MODELS)
+def test_cuda_step_with_tiles_and_offload_equals_the_plain_one(model_type):
+    """The stream path of the offload (side-stream copies, prefetch) on a patched model (torch backend:
+    the tiny dims are for the references)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def run(**config):
+        model, options = _build(model_type)
+        patch_model(model.cuda(), **options, backend="torch", **config)
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        if config.get("offload_activations"):
+            patch_state(model).offloader = HostOffload(min_bytes=0)
+        ids = _ids().cuda()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), _grads(model), patch_state(model)
+
+    loss, grads, _ = run()
+    got_loss, got_grads, state = run(tile_tokens=TILE, offload_activations=True)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=0)
+    _assert_close_grads(got_grads, grads)
+    assert state.offloader.stats["offloaded"] > 0 and state.offloader.stats["prefetched"] > 0
