@@ -77,7 +77,7 @@ def test_cuda_offload_round_trip_on_a_side_stream():
         pytest.skip("needs CUDA")
     off = HostOffload(min_bytes=0)
     x = torch.randn(64, 256, device="cuda", requires_grad=True)
-    ws = [torch.randn(256, 256, device="cuda", requires_grad=True) / 16 for _ in range(4)]
+    ws = [(torch.randn(256, 256, device="cuda") / 16).requires_grad_() for _ in range(4)]
     _graph(x, ws).backward()
     ref = x.grad.clone()
     x.grad = None
