@@ -10,7 +10,7 @@ model (every change through one undo object) and the model-wide extras.
   config (``shape_from_weights``), is an error.
 - ``PatchUndo`` records each change and restores the model exactly; ``patch_attention`` applies the
   changes every family makes: per-module attributes and instance forward, the attention
-  implementation, lean layers, tiled MLPs, the chunked LM loss.
+  implementation, lean layers, tiled MLPs and norms, the chunked LM loss.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._dense_weights import RECORD_ATTR
 from ._dsa_step import ATTN_IMPLEMENTATION
 from ._lean_layers import apply_lean_layers
-from ._tiled_layers import apply_tiled_mlps
+from ._tiled_layers import apply_tiled_modules
 
 DEFAULT_TOPK = 2048
 LAYER_STATE = "_hyscale_state"  # the PatchState on each patched attention module
@@ -173,7 +173,7 @@ def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module
     Each module gets ``prepare(undo, module)`` (a family's own attributes), the state under
     ``LAYER_STATE`` and ``forward`` bound to it as its instance forward (nothing changes at class
     level: docs/design.md section 8); their configs switch to ``ATTN_IMPLEMENTATION``; then
-    ``finish(undo)``, the lean layers, the tiled MLPs and the chunked LM loss. A step that raises undoes the others.
+    ``finish(undo)``, the lean layers, the tiled MLPs and norms and the chunked LM loss. A step that raises undoes the others.
     """
     undo = PatchUndo()
     try:
@@ -191,7 +191,7 @@ def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module
         if finish is not None:
             finish(undo)
         undo.add(apply_lean_layers(model, state))
-        apply_tiled_mlps(model, state, undo)  # after the lean forwards, which it runs per tile
+        apply_tiled_modules(model, state, undo)  # after the lean forwards, which it runs per tile
         undo.add(apply_chunked_lm_loss(model, state))
     except BaseException:
         undo()

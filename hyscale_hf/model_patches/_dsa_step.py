@@ -307,6 +307,7 @@ def dsa_attention(
 
 def dsa_attention_tiled(
     query_tile: Callable,
+    tile_inputs: tuple,
     kv: torch.Tensor,
     state: PatchState,
     vis: Visibility,
@@ -324,7 +325,8 @@ def dsa_attention_tiled(
 
     The selection is made for all queries at once (HyTopK keeps O(chunk) memory of its own; selection
     replay sees one selection op per layer as untiled). Then each tile of queries ``a:b`` runs
-    ``query_tile(a, b, selected)(attended[:, a:b])`` under its own checkpoint (``hyscale_hf.tiling``):
+    ``query_tile(a, b, selected)(attended[:, a:b], *tile_inputs)`` under its own checkpoint
+    (``hyscale_hf.tiling``; ``tile_inputs``: the whole-T tensors the tiles read, passed as inputs):
     the layer's query side from its inputs, attention over the keys ``:b`` it can see, the output
     projection; it returns ``(output [B, b - a, ...], absorbed query, lse)``, the last two detached (the
     KL target). The indexer KL of each tile is computed right after it (``TiledIndexerLoss``), as a
@@ -346,7 +348,7 @@ def dsa_attention_tiled(
     bounds = tile_bounds(S, tile)
     outs = []
     for a, b in bounds:
-        out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended[:, a:b])
+        out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended[:, a:b], *tile_inputs)
         outs.append(out)
         if loss is not None:
             def loss_fn(iq, ik, iw, a=a, b=b, attn_q=attn_q, lse=lse):

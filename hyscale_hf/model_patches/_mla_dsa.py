@@ -346,8 +346,12 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
     vis = visibility(attention_mask, position_ids, kwargs, B, S, S, sliding_window=window, device=x.device)
     sinks = family.sinks(self)
 
+    # The whole-T tensors a tile reads go in as checkpoint inputs, not in the closure: a closure would
+    # keep them alive from the layer's forward to its backward (inputs are dropped with the layer's).
+    tile_inputs = (x, q_input, k_rot_raw, cos, sin, attn_k)
+
     def query_tile(a: int, b: int, selected: bool):
-        def run(attended):
+        def run(attended, x, q_input, k_rot_raw, cos, sin, attn_k):
             q_nope, q_rot, gate = family.query_heads(self, x[:, a:b], q_input[:, a:b])
             q_rot = family.apply_main_rope(self, q_rot, k_rot_raw[:, a:b], cos[:, a:b], sin[:, a:b])[0]
             pos = None if position_ids is None else position_ids[:, a:b]
@@ -363,7 +367,7 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
         return run
 
     attn_output, topk_indices = dsa_attention_tiled(
-        query_tile, attn_k, state, vis, (B, S, S), index=index, shared=family.is_shared_layer(self),
+        query_tile, tile_inputs, attn_k, state, vis, (B, S, S), index=index, shared=family.is_shared_layer(self),
         prev_indices=prev_topk_indices, window=window, training=self.training, scale=self.scaling,
         tile=state.config.tile_tokens,
     )

@@ -15,8 +15,15 @@ from ._dense_tiny import tiny_model, tokens
 from .tiny_models import build
 
 
+def _instance_forward(m: nn.Module):
+    """The module's own instance forward, under the tiled wrapper every patched MLP and norm gets."""
+    forward = m.__dict__.get("forward")
+    return getattr(forward, "previous", forward)
+
+
 def lean_modules(model) -> list[str]:
-    return [name for name, m in model.named_modules() if "forward" in m.__dict__ and "_lean_" in m.forward.__name__]
+    return [name for name, m in model.named_modules()
+            if _instance_forward(m) is not None and "_lean_" in _instance_forward(m).__name__]
 
 
 def logits_and_grads(model, ids):

@@ -87,16 +87,17 @@ def test_padding_and_packing_tile_like_untiled(model_type):
 
 def test_the_mlps_and_the_mla_query_side_run_in_tiles(monkeypatch):
     model = _patched("glm_moe_dsa", tile_tokens=TILE)
-    seen = {"mlp": [], "attention": [], "attention_in_backward": 0}
+    seen = {"mlp": [], "norm": [], "attention": [], "attention_in_backward": 0}
     for layer in model.model.layers:
-        tiled = layer.mlp.forward  # the tiled forward, around the MLP's own (or lean) forward
-        inner = tiled._inner()
+        for key, module in (("mlp", layer.mlp), ("norm", layer.input_layernorm), ("norm", layer.self_attn.q_a_layernorm)):
+            tiled = module.forward  # the tiled forward, around the module's own (or lean) forward
+            inner = tiled._inner()
 
-        def counting(x, inner=inner):
-            seen["mlp"].append(x.shape[1])
-            return inner(x)
+            def counting(x, inner=inner, key=key):
+                seen[key].append(x.shape[1])
+                return inner(x)
 
-        tiled.previous = counting
+            tiled.previous = counting
     original = sparse_attn.mla.mla_sparse_attention
 
     def counting_attention(q_nope, *args, **kwargs):
@@ -107,6 +108,7 @@ def test_the_mlps_and_the_mla_query_side_run_in_tiles(monkeypatch):
     monkeypatch.setattr("hyscale_hf.model_patches._dsa_step.mla_sparse_attention", counting_attention)
     _step(model)
     assert seen["mlp"] and max(seen["mlp"]) <= TILE
+    assert seen["norm"] and max(seen["norm"]) <= TILE
     assert seen["attention"] and max(seen["attention"]) <= TILE
     assert seen["attention_in_backward"] > 0  # layer recompute and the tiles' own recompute
 
