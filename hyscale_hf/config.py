@@ -49,9 +49,10 @@ class HyScaleConfig:
             and the keys (one latent row and one indexer key per token) are computed whole. Costs one
             more forward of the tiled work per step; results equal the untiled ones within rounding
             (docs/design.md section 11). ``None``: untiled.
-        offload_activations: keep the checkpointed layers' saved inputs, and the indexer-loss gradients
-            held from forward to backward, in pinned host memory; copies run on a side stream and the
-            previous layer's are fetched during the current layer's backward (``hyscale_hf.offload``).
+        offload_activations: keep what checkpointed layers hold from forward to backward (their saved
+            inputs, their replayed selections, the indexer-loss gradients) in pinned host memory; copies
+            run on a side stream and the previous layer's are fetched during the current layer's
+            backward (``hyscale_hf.offload``).
             Needs ``selection_replay`` (it rides on the same checkpoint wiring). No effect on CPU tensors.
     """
 

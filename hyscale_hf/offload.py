@@ -1,13 +1,14 @@
 """Activation offload to pinned host memory (``HyScaleConfig.offload_activations``; docs/design.md section 11).
 
-What a checkpointed layer keeps from forward to backward is its inputs (the hidden states above all);
-the indexer-loss gradients held for backward (``indexer.indexer_loss_once``) come on top. ``HostOffload``
-moves them to pinned host memory and back:
+What a checkpointed layer keeps from forward to backward is its inputs (the hidden states above all)
+and its replayed selections; the indexer-loss gradients held for backward (``indexer.indexer_loss_once``)
+come on top. ``HostOffload`` moves them to pinned host memory and back:
 
 - ``hooks()``: ``torch.autograd.graph.saved_tensors_hooks`` to wrap around a layer's checkpoint call.
   Non-reentrant checkpoint saves its inputs through the hooks active at the call; inside the layer its
   own hooks take over, so only the inputs come here.
-- ``stash(tensors)`` / ``fetch(handles)``: the same for tensors held by hand.
+- ``stash(tensors)`` / ``fetch(handles)``: the same for tensors held by hand; ``pack`` / ``unpack``
+  for one tensor (selection replay keeps the selections this way: ``replay._SelectionStore``).
 
 The device-to-host copy runs on a side stream after the compute stream has produced the tensor
 (``record_stream`` keeps its memory from reuse until the copy is done). When backward asks for a
@@ -66,7 +67,8 @@ class HostOffload:
     # --- pack / unpack
 
     def pack(self, t: torch.Tensor, kind: str = "input"):
-        if t.device.type not in self.devices or t.numel() * t.element_size() < self.min_bytes:
+        size = t.numel() * t.element_size()
+        if t.device.type not in self.devices or size == 0 or size < self.min_bytes:
             return t
         if t.device.type != "cuda":
             host, copied = t.detach().clone(), None
@@ -84,6 +86,7 @@ class HostOffload:
         self._live.setdefault(kind, []).append(weakref.ref(handle))
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        self.stats[f"offloaded_{kind}"] = self.stats.get(f"offloaded_{kind}", 0) + 1
         return handle
 
     def unpack(self, packed):

@@ -63,6 +63,11 @@ def replay_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SELECTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The policy under an offloading store: the selections are kept by ``_SelectionStore`` instead."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 # ----------------------------------------------------------------------------- counters
 
 _REPLAY = {"replayed_selections": 0, "replayed_indices": 0, "verified_selections": 0}
@@ -101,19 +106,80 @@ class SelectionReplayMismatch(RuntimeError):
     """Verify mode: a recomputed selection differs from the one saved in forward."""
 
 
+class _SelectionStore:
+    """The selections of one checkpointed call, kept by hand where selective checkpointing would keep
+    them in its own device-side cache: each output tensor goes through ``offload.pack`` (pinned host
+    memory, ``hyscale_hf.offload``) in forward and comes back through ``offload.unpack`` in recompute,
+    in the order the ops ran."""
+
+    def __init__(self, offload) -> None:
+        self.offload = offload
+        self.saved: dict = defaultdict(list)
+
+    # The copies run with every dispatch mode off: the selective-checkpoint modes below must not count
+    # them among the region's ops (the recompute would then see ops the forward did not run).
+    def put(self, func, out) -> None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        with _disable_current_modes():
+            packed = [self.offload.pack(t.detach(), "selection") for t in outs]
+        self.saved[func].append((type(out), packed))
+
+    def take(self, func, call: int):
+        entries = self.saved.get(func, [])
+        if call >= len(entries) or entries[call] is None:
+            raise RuntimeError(f"selection replay: recompute ran {func} more often than the forward did")
+        kind, packed = entries[call]
+        entries[call] = None
+        with _disable_current_modes():
+            outs = [self.offload.unpack(t) for t in packed]
+        return kind(outs) if kind in (tuple, list) else outs[0]
+
+
+class _ReplayForwardMode(TorchDispatchMode):
+    """Forward side of the replay context with a ``_SelectionStore``: SAC's caching mode below (which
+    keeps nothing: ``_recompute_all``), this mode on top handing each selection's output to the store."""
+
+    def __init__(self, caching_mode: TorchDispatchMode, store: _SelectionStore) -> None:
+        super().__init__()
+        self.caching_mode, self.store = caching_mode, store
+
+    def __enter__(self):
+        self.caching_mode.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.caching_mode.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self.caching_mode.__exit__(exc_type, exc_value, traceback)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SELECTION_OPS:
+            self.store.put(func, out)
+        return out
+
+
 class _ReplayRecomputeMode(TorchDispatchMode):
     """Recompute side of the replay context: SAC's cache below, this mode on top of it.
 
-    Every selection op first reaches this mode, which asks the cache below for the saved output
-    (so the op does not run), counts it, and in verify mode also reruns the op with all dispatch
-    modes off and compares the indices bit for bit.
+    Every selection op first reaches this mode, which takes the saved output from the cache below
+    (or from the ``_SelectionStore``, when the selections are offloaded) so the op does not run,
+    counts it, and in verify mode also reruns the op with all dispatch modes off and compares the
+    indices bit for bit.
     """
 
-    def __init__(self, cached_mode: TorchDispatchMode, layer: str, verify: bool) -> None:
+    def __init__(self, cached_mode: TorchDispatchMode, layer: str, verify: bool,
+                 store: _SelectionStore | None = None) -> None:
         super().__init__()
         self.cached_mode = cached_mode
         self.layer = layer
         self.verify = verify
+        self.store = store
         self.calls: dict = defaultdict(int)
 
     def __enter__(self):
@@ -134,12 +200,15 @@ class _ReplayRecomputeMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func not in SELECTION_OPS:
             return func(*args, **kwargs)
-        saved = func(*args, **kwargs)  # served from the forward's copy by the SAC mode below
+        call = self.calls[func]
+        self.calls[func] += 1
+        if self.store is not None:
+            saved = self.store.take(func, call)
+        else:
+            saved = func(*args, **kwargs)  # served from the forward's copy by the SAC mode below
         saved_indices = saved[0] if isinstance(saved, (tuple, list)) else saved
         _REPLAY["replayed_selections"] += 1
         _REPLAY["replayed_indices"] += saved_indices.numel()
-        call = self.calls[func]
-        self.calls[func] += 1
         if self.verify:
             with _disable_current_modes():  # a real rerun, and a comparison the SAC cache must not see
                 fresh = func(*args, **kwargs)
@@ -180,17 +249,26 @@ class ReplayContextFn:
 
     ``layer`` names the checkpointed region in verify-mode errors. ``verify`` is a bool or a
     callable read at each checkpoint call (patched models read their live
-    ``HyScaleConfig.verify_replay``).
+    ``HyScaleConfig.verify_replay``). ``offload``, a callable read at each call, returns a
+    ``hyscale_hf.offload.HostOffload`` to keep the selections in host memory between forward and
+    recompute, or None to leave them in selective checkpointing's device-side cache.
     """
 
-    def __init__(self, layer: str = "<checkpointed region>", verify: bool | Callable[[], bool] = False) -> None:
+    def __init__(self, layer: str = "<checkpointed region>", verify: bool | Callable[[], bool] = False,
+                 offload: Callable | None = None) -> None:
         self.layer = layer
         self.verify = verify
+        self.offload = offload
 
     def __call__(self):
-        forward_mode, cached_mode = create_selective_checkpoint_contexts(replay_policy)
         verify = bool(self.verify() if callable(self.verify) else self.verify)
-        return forward_mode, _ReplayRecomputeMode(cached_mode, self.layer, verify)
+        offload = self.offload() if self.offload is not None else None
+        if offload is None:
+            forward_mode, cached_mode = create_selective_checkpoint_contexts(replay_policy)
+            return forward_mode, _ReplayRecomputeMode(cached_mode, self.layer, verify)
+        store = _SelectionStore(offload)
+        caching_mode, cached_mode = create_selective_checkpoint_contexts(_recompute_all)
+        return _ReplayForwardMode(caching_mode, store), _ReplayRecomputeMode(cached_mode, self.layer, verify, store)
 
     def __repr__(self) -> str:
         return f"ReplayContextFn(layer={self.layer!r})"

@@ -59,7 +59,8 @@ def test_prefetch_follows_the_packing_order_per_kind():
     assert torch.equal(off.unpack(hb), b)
     assert ha.fetched is not None and hs.fetched is None  # the previous input, not the stash
     assert torch.equal(off.unpack(ha), a)
-    assert off.stats == {"offloaded": 3, "offloaded_bytes": 24, "prefetched": 1, "fetched_on_demand": 1}
+    assert off.stats == {"offloaded": 3, "offloaded_bytes": 24, "prefetched": 1, "fetched_on_demand": 1,
+                         "offloaded_input": 2, "offloaded_stash": 1}
     assert off.fetch(off.stash((None, c)))[1].tolist() == [2.0, 2.0]
 
 

@@ -151,8 +151,9 @@ def _install_policy(model: torch.nn.Module, verify: Callable[[], bool]) -> None:
         if _why_not_replayable(func):
             continue  # inactive and not replayable: never called
         inner = func.inner if isinstance(func, _ReplayCheckpointFunc) else func
-        module._gradient_checkpointing_func = _ReplayCheckpointFunc(inner, ReplayContextFn(name, verify),
-                                                                    _OffloadSwitch(model))
+        offload = _OffloadSwitch(model)
+        module._gradient_checkpointing_func = _ReplayCheckpointFunc(inner, ReplayContextFn(name, verify, offload),
+                                                                    offload)
 
 
 def _remove_policy(model: torch.nn.Module) -> None:
@@ -390,7 +391,7 @@ def wrap_layers_for_replay(
             checkpoint_fn=_OffloadingCheckpoint(_OffloadSwitch(target)),
             use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
-            context_fn=ReplayContextFn(fqn, verify_fn),
+            context_fn=ReplayContextFn(fqn, verify_fn, _OffloadSwitch(target)),
         )
         setattr(parent, child_name, wrapped)
 

@@ -58,8 +58,25 @@ def test_tiled_checkpointed_step_equals_the_untiled_one(model_type, offload):
     assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] > 0  # replay unchanged
     if offload:
         off = patch_state(model).offloader.stats
-        assert off["offloaded"] > 0  # layer inputs and the indexer-loss gradients went through it
+        # layer inputs, replayed selections (one per full or shared indexer layer) and indexer-loss gradients
+        assert off["offloaded_input"] > 0 and off["offloaded_stash"] > 0
+        assert off["offloaded_selection"] == stats["replayed_selections"]
         assert off["prefetched"] > 0
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_offloaded_selections_replay_under_verify_mode(model_type):
+    """Verify mode reruns each replayed selection and compares it with the one the offload kept."""
+    loss, _, grads = _step(_patched(model_type))
+    model = _patched(model_type, offload_activations=True, verify_replay=True)
+    hyscale_hf.reset_selection_stats()
+    got_loss, _, got_grads = _step(model)
+    stats = hyscale_hf.selection_stats()
+    assert stats["verified_selections"] == stats["replayed_selections"] > 0
+    assert patch_state(model).offloader.stats["offloaded_selection"] == stats["replayed_selections"]
+    torch.testing.assert_close(got_loss, loss, rtol=0, atol=0)
+    for name in grads:
+        assert torch.equal(got_grads[name], grads[name]), name  # untiled: the same bits
 
 
 @pytest.mark.parametrize("model_type", MODELS)
