@@ -92,8 +92,11 @@ PHASES = {
     # LoRA on q/v + the indexers as PEFT modules_to_save, under Transformers' checkpointing (patch_model
     # gave it the replay policy): PEFT cannot save modules_to_save inside checkpoint_wrapper'd layers.
     "lora": ("llama", PATCH, True, "transformers", ("final",)),
-    # GLM-5 shaped: its own indexer (index_topk 8 < 32 tokens), IndexShare, MoE; wrapped for replay.
-    "glm5": ("glm_moe_dsa", dict(indexer_loss_coef=1.0, backend="torch"), False, "wrap", ("final",)),
+    # GLM-5 shaped: its own indexer (index_topk 8 < 32 tokens), IndexShare, MoE; wrapped for replay; its
+    # norms, MLPs and MLA query side in tiles of 12 tokens, selections through the offload's store (CPU
+    # tensors stay where they are, so the store holds them as they are).
+    "glm5": ("glm_moe_dsa", dict(indexer_loss_coef=1.0, backend="torch", tile_tokens=12, offload_activations=True),
+             False, "wrap", ("final",)),
 }
 
 

@@ -183,3 +183,30 @@ def test_cuda_step_with_tiles_and_offload_equals_the_plain_one(model_type):
     torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=0)
     _assert_close_grads(got_grads, grads)
     assert state.offloader.stats["offloaded"] > 0 and state.offloader.stats["prefetched"] > 0
+
+
+def _kept_bytes(model) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps for backward after one forward."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    ids = _ids()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    del loss
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_tiling_keeps_less_for_backward(model_type):
+    """Without layer checkpointing, what a forward keeps for backward is the activations; with tiles, the
+    tiled modules keep only their inputs. (The modules' own forwards: the lean ones keep little already.)"""
+    untiled = _kept_bytes(_patched(model_type, checkpointing=False, lean_activations=False))
+    tiled = _kept_bytes(_patched(model_type, checkpointing=False, lean_activations=False, tile_tokens=TILE))
+    assert tiled < 0.75 * untiled, (tiled, untiled)
