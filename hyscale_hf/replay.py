@@ -135,27 +135,36 @@ class _SelectionStore:
         return kind(outs) if kind in (tuple, list) else outs[0]
 
 
-class _ReplayForwardMode(TorchDispatchMode):
-    """Forward side of the replay context with a ``_SelectionStore``: SAC's caching mode below (which
-    keeps nothing: ``_recompute_all``), this mode on top handing each selection's output to the store."""
+class _OnTopOf(TorchDispatchMode):
+    """A dispatch mode entered on top of ``below`` (a selective-checkpoint mode): one context to hand
+    ``torch.utils.checkpoint``, the two modes entered and left together."""
 
-    def __init__(self, caching_mode: TorchDispatchMode, store: _SelectionStore) -> None:
+    def __init__(self, below: TorchDispatchMode) -> None:
         super().__init__()
-        self.caching_mode, self.store = caching_mode, store
+        self.below = below
 
     def __enter__(self):
-        self.caching_mode.__enter__()
+        self.below.__enter__()
         try:
             return super().__enter__()
         except BaseException:
-            self.caching_mode.__exit__(None, None, None)
+            self.below.__exit__(None, None, None)
             raise
 
     def __exit__(self, exc_type, exc_value, traceback):
         try:
             super().__exit__(exc_type, exc_value, traceback)
         finally:
-            self.caching_mode.__exit__(exc_type, exc_value, traceback)
+            self.below.__exit__(exc_type, exc_value, traceback)
+
+
+class _ReplayForwardMode(_OnTopOf):
+    """Forward side of the replay context with a ``_SelectionStore``: SAC's caching mode below (which
+    keeps nothing: ``_recompute_all``), this mode on top handing each selection's output to the store."""
+
+    def __init__(self, caching_mode: TorchDispatchMode, store: _SelectionStore) -> None:
+        super().__init__(caching_mode)
+        self.store = store
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -164,7 +173,7 @@ class _ReplayForwardMode(TorchDispatchMode):
         return out
 
 
-class _ReplayRecomputeMode(TorchDispatchMode):
+class _ReplayRecomputeMode(_OnTopOf):
     """Recompute side of the replay context: SAC's cache below, this mode on top of it.
 
     Every selection op first reaches this mode, which takes the saved output from the cache below
@@ -175,26 +184,11 @@ class _ReplayRecomputeMode(TorchDispatchMode):
 
     def __init__(self, cached_mode: TorchDispatchMode, layer: str, verify: bool,
                  store: _SelectionStore | None = None) -> None:
-        super().__init__()
-        self.cached_mode = cached_mode
+        super().__init__(cached_mode)
         self.layer = layer
         self.verify = verify
         self.store = store
         self.calls: dict = defaultdict(int)
-
-    def __enter__(self):
-        self.cached_mode.__enter__()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self.cached_mode.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        try:
-            super().__exit__(exc_type, exc_value, traceback)
-        finally:
-            self.cached_mode.__exit__(exc_type, exc_value, traceback)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
