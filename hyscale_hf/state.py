@@ -46,6 +46,7 @@ build no autograd graph outside the indexer (``indexer.before_forward``). ``sele
     warned: set[str] = field(default_factory=set)  # keys of the warnings this model gave (each once)
     load_from: dict | None = None  # patch_model(state_dict=...): set only while the family applies the patch
     offloader: object | None = None  # the model's hyscale_hf.offload.HostOffload, made at first use
+    attn_switch: object | None = None  # model_patches._attn_switch.AttnSwitch: the user's implementation
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())

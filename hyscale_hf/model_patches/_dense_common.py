@@ -7,8 +7,9 @@ How a patched model runs (one model instance; nothing is changed at class level)
   instance-level ``forward`` that calls the module's own forward, adding one keyword argument (the
   layer call: hidden states, rotary tables and cache). The family's own code still projects,
   normalises (Qwen3's q/k norms), applies RoPE and updates the KV cache; it then calls the attention
-  function registered for ``_dsa_step.ATTN_IMPLEMENTATION``, which this patch sets as the model
-  config's ``_attn_implementation`` and which runs the layer call: the indexer on the detached
+  function registered for ``_dsa_step.ATTN_IMPLEMENTATION``, which is the model config's
+  ``_attn_implementation`` while a patched call runs (``_attn_switch``), and which runs the layer
+  call: the indexer on the detached
   hidden states, then the DSA attention step every patched layer runs (``_dsa_step``: selection with
   ``hytopk``, sparse GQA attention or the dense warm-up, the indexer KL loss during training) over
   the visibility of ``_visibility`` (left and right padding, packed sequences, sliding windows).
@@ -35,13 +36,7 @@ from ..records import LiveRecord, set_record
 from ..state import PatchState
 from ._dense_cache import indexer_cache_layer, is_static_layer, static_index_keys, static_query_offset
 from ._dense_weights import RECORD_ATTR, InitWithIndexers, copy_indexer_tensors, load_saved_indexers
-from ._dsa_patch import (
-    LAYER_STATE,
-    PatchUndo,
-    check_attn_implementation,
-    patch_attention,
-    resolve_indexer_options,
-)
+from ._dsa_patch import ATTN_SWITCH, LAYER_STATE, PatchUndo, patch_attention, resolve_indexer_options
 from ._dsa_step import CALL_KWARG, GQAAttention, dsa_attention, wants_weights
 from ._visibility import visibility
 
@@ -115,15 +110,17 @@ def _patched_forward(self, *args, **kwargs):
     The attention signature is ``(hidden_states, position_embeddings, attention_mask, cache, **kwargs)``
     in every dense family; the cache argument is ``past_key_values`` before Transformers 5.18.
     """
-    check_attn_implementation(self)  # else the family's forward would run plain attention, without the indexer
     hidden = args[0] if args else kwargs["hidden_states"]
     pos_emb = args[1] if len(args) > 1 else kwargs.get("position_embeddings")
     cache = args[3] if len(args) > 3 else kwargs.get("cache", kwargs.get("past_key_values"))
     call = _LayerCall(hidden, pos_emb, cache, getattr(self, LAYER_STATE))
     prev = getattr(self, _PREV_FORWARD)
-    if prev is not None:
-        return prev(*args, **{CALL_KWARG: call}, **kwargs)
-    return type(self).forward(self, *args, **{CALL_KWARG: call}, **kwargs)
+    # The family's forward picks its attention function by config._attn_implementation; this call can run
+    # alone (a checkpoint's recompute), so it puts ATTN_IMPLEMENTATION there itself (_attn_switch).
+    with getattr(self, ATTN_SWITCH).active():
+        if prev is not None:
+            return prev(*args, **{CALL_KWARG: call}, **kwargs)
+        return type(self).forward(self, *args, **{CALL_KWARG: call}, **kwargs)
 
 
 def _rotary_dim(model: nn.Module) -> int:

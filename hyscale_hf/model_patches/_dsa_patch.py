@@ -23,14 +23,16 @@ from torch import nn
 from ..config import HyScaleConfig
 from ..records import saved_record
 from ..state import PatchState
+from ._attn_switch import AttnSwitch
+from ._attn_switch import install as install_attn_switch
 from ._chunked_lm_loss import apply_chunked_lm_loss
 from ._dense_weights import RECORD_ATTR
-from ._dsa_step import ATTN_IMPLEMENTATION
 from ._lean_layers import apply_lean_layers
 from ._tiled_layers import apply_tiled_modules
 
 DEFAULT_TOPK = 2048
 LAYER_STATE = "_hyscale_state"  # the PatchState on each patched attention module
+ATTN_SWITCH = "_hyscale_attn_switch"  # the model's AttnSwitch on each patched attention module
 _MODEL_KEYS = {"topk": "index_topk", "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim"}
 
 
@@ -126,45 +128,6 @@ class PatchUndo:
                 obj.__dict__.pop(name, None)
 
 
-class GuardedSetAttn:
-    """``set_attn_implementation`` of a patched model: refuses to move the patched attention modules off
-    ``ATTN_IMPLEMENTATION``, which would silently run them without their indexer (a dense family's own
-    forward would call plain eager/SDPA attention) or break them (a DSA family would get a 4-D mask).
-    Changes that leave them alone (another value for an unpatched vision tower) go through. An object,
-    so ``copy.deepcopy`` of a patched model guards the copy."""
-
-    def __init__(self, owner: nn.Module, configs: list) -> None:
-        self.owner, self.configs = owner, configs
-
-    def __call__(self, attn_implementation, *args, **kwargs):
-        if isinstance(attn_implementation, str) and attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(refused_switch(attn_implementation))
-        result = type(self.owner).set_attn_implementation(self.owner, attn_implementation, *args, **kwargs)
-        moved = [c._attn_implementation for c in self.configs if c._attn_implementation != ATTN_IMPLEMENTATION]
-        if moved:
-            for c in self.configs:
-                c._attn_implementation = ATTN_IMPLEMENTATION
-            raise ValueError(refused_switch(moved[0]))
-        return result
-
-
-def refused_switch(requested) -> str:
-    return (
-        f"this model is patched by hyscale_hf: its attention runs as {ATTN_IMPLEMENTATION!r} (the indexer's top-k "
-        f"selection, then sparse attention); attn_implementation={requested!r} would run it without the indexer. "
-        "For dense attention keep the patch and set hyscale_hf.patched_config(model).dense_warmup = True (the "
-        "indexer then trains on every visible key), or call hyscale_hf.unpatch_model(model) first."
-    )
-
-
-def check_attn_implementation(module: nn.Module) -> None:
-    """Raise when a patched module's config was moved off ``ATTN_IMPLEMENTATION`` by hand."""
-    current = module.config._attn_implementation
-    if current != ATTN_IMPLEMENTATION:
-        raise RuntimeError(f"model.config._attn_implementation was changed to {current!r} after patching; "
-                           + refused_switch(current))
-
-
 def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module], forward,
                     prepare: Callable[[PatchUndo, nn.Module], None] | None = None,
                     finish: Callable[[PatchUndo], None] | None = None) -> PatchUndo:
@@ -172,7 +135,8 @@ def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module
 
     Each module gets ``prepare(undo, module)`` (a family's own attributes), the state under
     ``LAYER_STATE`` and ``forward`` bound to it as its instance forward (nothing changes at class
-    level: docs/design.md section 8); their configs switch to ``ATTN_IMPLEMENTATION``; then
+    level: docs/design.md section 8); the model's Transformers models get the hooks that put
+    ``ATTN_IMPLEMENTATION`` in their configs while they run (``_attn_switch``); then
     ``finish(undo)``, the lean layers, the tiled MLPs and norms and the chunked LM loss. A step that raises undoes the others.
     """
     undo = PatchUndo()
@@ -182,12 +146,12 @@ def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module
                 prepare(undo, m)
             undo.set_attr(m, LAYER_STATE, state)
             undo.set_attr(m, "forward", types.MethodType(forward, m))
-        configs = list({id(m.config): m.config for m in modules}.values())
-        for config in configs:
-            undo.set_value(config, "_attn_implementation", ATTN_IMPLEMENTATION)
-        for owner in model.modules():  # the model and the Transformers models inside it (model.model)
-            if callable(getattr(owner, "set_attn_implementation", None)):
-                undo.set_attr(owner, "set_attn_implementation", GuardedSetAttn(owner, configs))
+        # The configs keep the user's implementation; ATTN_IMPLEMENTATION is there while a patched call runs.
+        switch = AttnSwitch(list({id(m.config): m.config for m in modules}.values()))
+        for m in modules:
+            undo.set_attr(m, ATTN_SWITCH, switch)
+        install_attn_switch(model, switch, undo)
+        state.attn_switch = switch
         if finish is not None:
             finish(undo)
         undo.add(apply_lean_layers(model, state))

@@ -24,6 +24,7 @@ hands its layer call in through ``CALL_KWARG``); it refuses any module that hysc
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 
@@ -287,8 +288,9 @@ def dsa_attention(
                                        shared=shared, prev_indices=prev_indices, window=window)
         attend = attention.attend_selected if indices is not None else attention.attend_window
         o, lse = attend(attended, cfg.backend)
-    else:  # warm-up, or a layer without DSA
-        o, lse = attention.attend_all(vis, cfg.backend)
+    else:  # warm-up, or a layer without DSA: SDPA, its math backend when the user chose "eager" (_attn_switch)
+        with state.attn_switch.dense_kernel() if state.attn_switch is not None else contextlib.nullcontext():
+            o, lse = attention.attend_all(vis, cfg.backend)
     probabilities = None
     if weights:  # output_attentions: the output comes from the probabilities returned, as in eager attention
         probabilities = layer_weights(attention, attended, vis)

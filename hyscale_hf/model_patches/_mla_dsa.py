@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..state import PatchState
-from ._dsa_patch import check_attn_implementation, patch_attention, resolve_indexer_options
+from ._dsa_patch import patch_attention, resolve_indexer_options
 from ._dsa_step import MLAAttention, dsa_attention, dsa_attention_tiled, sparse_step, wants_weights
 from ._visibility import visibility
 
@@ -242,7 +242,6 @@ def mla_dsa_attention_forward(
     Accepts both cache keyword names (``past_key_values`` on Transformers 5.17, ``cache`` later).
     Returns ``(attn_output, None, topk_indices)`` for IndexShare families, else ``(attn_output, None)``.
     """
-    check_attn_implementation(self)
     family: MLADSAFamily = self._hyscale_family
     state: PatchState = self._hyscale_state
     if cache is None:

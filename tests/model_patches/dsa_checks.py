@@ -181,7 +181,7 @@ def check_unpatch_restores(model_type: str) -> None:
         hyscale_hf.patch_model(model, backend="torch")
         assert hyscale_hf.is_patched(model)
         assert (attn_cls.forward, layer_cls.forward) == class_forwards  # only instances are patched
-        assert "forward" in vars(attn) and attn.config._attn_implementation == _dsa_step.ATTN_IMPLEMENTATION
+        assert "forward" in vars(attn) and attn.config._attn_implementation == impl  # ATTN_IMPLEMENTATION only in calls
         model(x)
         hyscale_hf.unpatch_model(model)
         after = model(x).logits

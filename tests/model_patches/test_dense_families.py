@@ -16,7 +16,6 @@ import torch
 from transformers import DynamicCache, LlamaModel
 
 from hyscale_hf import is_patched, patch_model, unpatch_model
-from hyscale_hf.model_patches._dsa_step import ATTN_IMPLEMENTATION
 from hyscale_hf.state import patch_state
 
 from ._dense_tiny import FAMILIES, INDEXER, PAD, VARIANTS, tiny_model, tokens
@@ -128,7 +127,7 @@ def test_unpatch_restores_bit_identical_outputs(variant):
     with torch.no_grad():
         before = model(ids).logits
     patch_model(model, topk=3, **INDEXER)
-    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert model.config._attn_implementation == "sdpa"  # the user's choice; ATTN_IMPLEMENTATION only during calls
     with torch.no_grad():
         during = model(ids).logits
     assert not torch.allclose(during, before)  # topk 3 < 10 keys: the selection changes the output

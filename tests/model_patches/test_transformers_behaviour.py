@@ -6,7 +6,7 @@ fast. The oracle, as elsewhere: with topk >= T a patched model is the unpatched 
 - static caches (dense families too), also from inputs_embeds;
 - output_attentions=True returns the probabilities in the [B, H, S, T] layout eager attention gives;
 - two models built from one config stay independent;
-- set_attn_implementation on a patched model is refused, never a silent unpatch;
+- set_attn_implementation on a patched model changes what it reports and its dense kernel, never a silent unpatch;
 - from_pretrained(None, state_dict=...) and _init_weights handle the added indexer.
 """
 
@@ -154,20 +154,57 @@ def test_two_models_from_one_config_stay_independent(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_set_attn_implementation_is_refused_on_a_patched_model(family):
-    _, pat = _pair(family, topk=4)
+def test_set_attn_implementation_on_a_patched_model_keeps_the_patch(family):
+    """The config reports the implementation the user chose and set_attn_implementation changes it as on
+    any model; the patched layers keep running hyscale_hf's attention (never a silent unpatch): with
+    topk 4 < 12 keys the output stays the patched one, and the switch changes which SDPA backend the
+    dense warm-up uses, not its result."""
+    ref, pat = _pair(family, topk=4)
+    x = _ids(2, 12)
+    with torch.no_grad():
+        sparse = pat(x).logits
+        unpatched = ref(x).logits
+    assert not torch.allclose(sparse, unpatched)
+    before = pat.config._attn_implementation
+    assert before == ref.config._attn_implementation and before != "hyscale_dsa"
     for request in ("eager", "sdpa", {"": "eager"}):
-        with pytest.raises(ValueError, match="patched by hyscale_hf"):
-            pat.set_attn_implementation(request)
-        assert pat.config._attn_implementation == "hyscale_dsa" and hyscale_hf.is_patched(pat)
-    pat.set_attn_implementation("hyscale_dsa")  # no change: allowed
-    pat.config._attn_implementation = "eager"  # by hand: refused at the next forward
-    with pytest.raises(RuntimeError, match="changed to 'eager' after patching"):
-        pat(_ids(1, 5))
-    pat.config._attn_implementation = "hyscale_dsa"
+        pat.set_attn_implementation(request)
+        expected = request if isinstance(request, str) else request[""]
+        assert pat.config._attn_implementation == expected and hyscale_hf.is_patched(pat)
+        with torch.no_grad():
+            torch.testing.assert_close(pat(x).logits, sparse, atol=1e-6, rtol=1e-5)
+        assert pat.config._attn_implementation == expected  # a forward leaves the user's value in place
+    with pytest.raises(ValueError, match='attn_implementation="foo"'):
+        pat.set_attn_implementation("foo")  # Transformers' own check
+    hyscale_hf.patched_config(pat).dense_warmup = True  # the dense parts: the same result either way
+    with torch.no_grad():
+        pat.set_attn_implementation("eager")
+        math = pat(x).logits
+        pat.set_attn_implementation("sdpa")
+        torch.testing.assert_close(pat(x).logits, math, atol=1e-5, rtol=1e-4)
     hyscale_hf.unpatch_model(pat)
-    pat.set_attn_implementation("eager")  # unpatched: Transformers' own behaviour again
-    assert pat.config._attn_implementation == "eager"
+    assert pat.config._attn_implementation == "sdpa"  # the user's last choice, which the model now runs
+    with torch.no_grad():
+        torch.testing.assert_close(pat(x).logits, ref(x).logits, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_patch_survives_a_recompute_outside_the_model_forward(family):
+    """A checkpoint's recompute runs a patched attention module alone, in backward: it still dispatches
+    to hyscale_hf's attention (the gradients equal the untiled, uncheckpointed ones)."""
+    ref, pat = _pair(family, topk=4)
+    x = _ids(2, 12)
+    pat.train()
+    grads = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            pat.gradient_checkpointing_enable({"use_reentrant": False})
+        pat.zero_grad(set_to_none=True)
+        pat(input_ids=x, labels=x).loss.backward()
+        grads[checkpointing] = {n: p.grad.clone() for n, p in pat.named_parameters() if p.grad is not None}
+    assert set(grads[True]) == set(grads[False])
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
 # ----------------------------------------------------------------------------- loading and initialisation
