@@ -71,11 +71,13 @@ class AttnSwitch:
 
 
 def _get(config):
-    return config.__dict__.get(_ATTR, getattr(config, "_attn_implementation", None))
+    return config._attn_implementation
 
 
 def _set(config, value) -> None:
-    if _ATTR in config.__dict__ or not hasattr(type(config), "_attn_implementation"):
+    # Past the property's setter where there is one: the setter also rewrites sub-configs, which the
+    # patched (text) configs do not need twice per call.
+    if isinstance(getattr(type(config), "_attn_implementation", None), property) and _ATTR in config.__dict__:
         config.__dict__[_ATTR] = value
     else:
         config._attn_implementation = value
