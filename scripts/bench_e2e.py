@@ -41,9 +41,26 @@ DEFAULT_ARMS = ARMS[:4]
 
 
 def free(device) -> None:
+    """Return cached device memory, and cached pinned host memory (the offload arm's), between lengths."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+
+
+def host_pinned_peak_gib() -> float | None:
+    """Peak pinned host memory the caching host allocator held since its last reset (blocks are rounded up)."""
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)  # newer torch only
+    stats = stats_fn() if stats_fn is not None and torch.cuda.is_available() else {}
+    value = stats.get("allocated_bytes.peak")
+    return None if value is None else value / 2**30
+
+
+def oom_row(T: int, err: BaseException) -> dict:
+    """An OOM row, with the message: device memory or pinned host memory (the offload's) ran out."""
+    return {"T": T, "oom": True, "error": str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}
 
 
 def is_oom(err: BaseException) -> bool:
@@ -72,10 +89,13 @@ def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
     times = time_ms(step, device, reps)
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"T": T, "step_ms": ms, "times_ms": times, "tokens_per_s": T / ms * 1e3, "peak_gib": peak}
+    return {"T": T, "step_ms": ms, "times_ms": times, "tokens_per_s": T / ms * 1e3, "peak_gib": peak,
+            "host_pinned_peak_gib": host_pinned_peak_gib() if device.type == "cuda" else None}
 
 
 def run_arm(arm: str, args, dims, device, dtype) -> dict:
@@ -91,7 +111,7 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
             except Exception as err:  # noqa: BLE001 - only OOM is expected; others re-raised
                 if not is_oom(err):
                     raise
-                row = {"T": T, "oom": True}
+                row = oom_row(T, err)
             optimizer.zero_grad(set_to_none=True)
             free(device)
             print(f"{arm:>10} T={T:>7}: " + ("OOM" if row.get("oom") else
@@ -111,15 +131,15 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
                     r = measure(model, optimizer, T, dims["vocab_size"], device, 0, 1, args.loss_chunk)
                     search.append(r)
                     longest = T
-                    print(f"{arm:>10} search T={T}: ok, {r['step_ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB",
-                          flush=True)
+                    print(f"{arm:>10} search T={T}: ok, {r['step_ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB, "
+                          f"pinned host {r['host_pinned_peak_gib'] or 0:.1f} GiB", flush=True)
                     if r["step_ms"] > args.step_cap_s * 1e3:
                         break
                 except Exception as err:  # noqa: BLE001
                     if not is_oom(err):
                         raise
-                    search.append({"T": T, "oom": True})
-                    print(f"{arm:>10} search T={T}: OOM", flush=True)
+                    search.append(oom_row(T, err))
+                    print(f"{arm:>10} search T={T}: OOM ({search[-1]['error']})", flush=True)
                     break
                 finally:
                     optimizer.zero_grad(set_to_none=True)
