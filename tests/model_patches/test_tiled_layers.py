@@ -210,3 +210,20 @@ def test_tiling_keeps_less_for_backward(model_type):
     untiled = _kept_bytes(_patched(model_type, checkpointing=False, lean_activations=False))
     tiled = _kept_bytes(_patched(model_type, checkpointing=False, lean_activations=False, tile_tokens=TILE))
     assert tiled < 0.75 * untiled, (tiled, untiled)
+
+
+def test_recall_is_sampled_on_the_last_tile():
+    """Under tiling the recall probe sees the last tile's queries against the keys they can see; under a
+    padding mask it takes no sample and says so once. (A forward with a KV cache is not tiled.)"""
+    from hyscale_hf.training import measure_topk_recall, sample_topk_recall
+
+    model = _patched("glm_moe_dsa", checkpointing=False, tile_tokens=TILE)
+    ids = _ids()
+    recall, best = measure_topk_recall(model, {"input_ids": ids, "use_cache": False}, return_best=True)
+    assert 0.0 < recall <= best <= 1.0 + 1e-6
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.warns(UserWarning, match="recall is not sampled"), sample_topk_recall(model) as probe:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert probe.calls == 0
