@@ -150,7 +150,9 @@ def static_index_keys(cache, layer_idx: int, new_keys: torch.Tensor) -> torch.Te
     if not isinstance(layer, StaticIndexedLayer):
         # A subclass of StaticLayer with extra attributes only, so the object's layout stays valid.
         layer.__class__ = StaticIndexedLayer
-        layer.indexer_keys = layer.indexer_position_ids = layer.indexer_cumulative_length = None
+        layer.indexer_keys = layer.indexer_position_ids = None
+        # A tensor already: 5.17's lazy initialisation moves it to the keys' device, later versions make it.
+        layer.indexer_cumulative_length = torch.zeros((), dtype=torch.long)
         layer.is_indexer_initialized = False
     return layer.update_indexer(new_keys.detach())
 

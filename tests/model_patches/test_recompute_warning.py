@@ -13,6 +13,7 @@ import pytest
 from torch.utils.checkpoint import checkpoint
 
 import hyscale_hf
+from hyscale_hf.benchmarking.stacks import enable_checkpointing  # Transformers 5.17 and 5.23+ entry points
 
 from . import dsa_checks
 from ._dense_tiny import INDEXER, tiny_model, tokens
@@ -35,7 +36,7 @@ def _backward_warnings(step) -> list[str]:
 
 def test_a_hand_set_reentrant_checkpoint_function_warns_once():
     model = _llama()
-    model.activation_checkpointing_enable()  # replayed: silent
+    enable_checkpointing(model)  # replayed: silent
     ids = tokens(2, 10)
     assert _backward_warnings(lambda: model(ids, labels=ids).loss.backward()) == []
     assert hyscale_hf.selection_stats()["indexer_recompute"] == 0
@@ -59,7 +60,7 @@ def test_a_users_own_reentrant_checkpoint_warns():
 
 def test_recomputing_on_purpose_is_silent():
     model = _llama(selection_replay=False)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     ids = tokens(2, 10)
     assert _backward_warnings(lambda: model(ids, labels=ids).loss.backward()) == []
     assert hyscale_hf.selection_stats()["indexer_recompute"] == 2
@@ -70,7 +71,7 @@ def test_a_dsa_model_under_a_reentrant_checkpoint_warns():
     model, _ = build("glm_moe_dsa", index_topk=4)
     hyscale_hf.patch_model(model, backend="torch")
     model.train()
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     for layer in model.model.layers:
         layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=True)
     x = dsa_checks.tokens(1, 9)
