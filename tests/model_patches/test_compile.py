@@ -25,8 +25,8 @@ def _glm():
     if not has_family("glm_moe_dsa"):
         pytest.skip("the installed Transformers has no glm_moe_dsa")
     if not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):  # before 5.23
-        pytest.skip("Transformers before 5.23 (5.17 checked): its MoE grouped-mm fallback cannot be traced fullgraph (a data-dependent "
-                    "guard in its backward; the unpatched model fails the same way)")
+        pytest.skip("Transformers before 5.23 (5.17 checked): its MoE grouped-mm fallback cannot be traced "
+                    "fullgraph (a data-dependent guard in its backward; the unpatched model fails the same way)")
     return hyscale_hf.patch_model(build("glm_moe_dsa", index_topk=4)[0], backend="torch")
 
 
