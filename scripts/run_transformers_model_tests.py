@@ -14,9 +14,10 @@ Usage::
 - or the ``tests/`` of the release's sdist (``pip download --no-deps --no-binary :all: transformers==X``),
   which holds the shared harness files of the top level only (no ``models/``, ``generation/`` or
   ``exporters/``). The script then runs ``ModelTesterMixin`` (all of ``test_modeling_common.py``'s
-  model tests, and TrainingTesterMixin's overfit test) through small per-family test modules of its own (``_TEMPLATE`` below, tiny configs like
-  the per-model files'), with empty stand-ins for a missing ``GenerationTesterMixin`` /
-  ``ExportTesterMixin``: generation tests do not run then. The summary says which kind ran.
+  model tests) and ``TrainingTesterMixin`` (its overfit test) through small per-family test modules of
+  its own (``_TEMPLATE`` below, tiny configs like the per-model files'), with empty stand-ins for a
+  missing ``GenerationTesterMixin`` / ``ExportTesterMixin`` (and ``TrainingTesterMixin`` in releases
+  without it): generation tests do not run then. The summary says which kind ran.
 
 Every model a test builds is patched right after construction by ``_transformers_tests_plugin.py``
 (patched mode), or left alone (unpatched mode). Results: ``OUT/<family>-<mode>.xml`` (JUnit), ``.log`` (pytest's output)
@@ -126,6 +127,10 @@ def _harness_tree(tests: Path, families: list[str], root: Path) -> dict:
         else:
             (dst / sub / name).write_text(f"class {cls}:\n    \"\"\"Stand-in: {sub}/{name} was not given.\"\"\"\n")
             stand_ins[f"{sub}/{name}"] = cls
+    if not (dst / "test_training_mixin.py").exists():  # releases before the training mixin
+        (dst / "test_training_mixin.py").write_text(
+            "class TrainingTesterMixin:\n    \"\"\"Stand-in: test_training_mixin.py was not given.\"\"\"\n")
+        stand_ins["test_training_mixin.py"] = "TrainingTesterMixin"
     for family in families:
         config, base, causal, kwargs, attributes = HARNESS_FAMILIES[family]
         attributes = "".join(f"    {key} = {value!r}\n" for key, value in attributes.items())
