@@ -47,7 +47,8 @@ def test_sdist_mode_builds_a_harness_tree(tmp_path):
     (sdist / "test_modeling_common.py").write_text("class ModelTesterMixin:\n    pass\n\ndef ids_tensor(*a):\n    pass\n")
     stand_ins = runner._harness_tree(sdist, ["llama", "glm_moe_dsa"], tmp_path / "work")
     tree = tmp_path / "work" / "tests"
-    assert set(stand_ins) == {"generation/test_utils.py", "exporters/test_export.py"}
+    assert set(stand_ins) == {"generation/test_utils.py", "exporters/test_export.py", "test_training_mixin.py"}
+    assert "TrainingTesterMixin" in (tree / "test_training_mixin.py").read_text()
     text = (tree / "models" / "glm_moe_dsa" / "test_modeling_glm_moe_dsa.py").read_text()
     assert "GlmMoeDsaForCausalLM" in text and "test_all_params_have_gradient = False" in text
     compile((tree / "models" / "llama" / "test_modeling_llama.py").read_text(), "llama", "exec")
