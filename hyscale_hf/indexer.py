@@ -159,8 +159,8 @@ class TiledIndexerLoss:
         if self.compiling or self.grads is None:
             return attach_indexer_loss(hidden, self.total, self.state)
         grads = tuple(None if g is None else g.to(t.dtype) for g, t in zip(self.grads, self.index))
-        return attach_indexer_loss(hidden, _LossWithGradient.apply(self.total, grads, model_offload(self.state), *self.index),
-                                   self.state)
+        loss = _LossWithGradient.apply(self.total, grads, model_offload(self.state), *self.index)
+        return attach_indexer_loss(hidden, loss, self.state)
 
 
 def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchState) -> torch.Tensor:

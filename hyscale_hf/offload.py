@@ -83,9 +83,12 @@ class HostOffload:
                 copied.record(side)
             t.record_stream(side)  # t's memory is not reused before the copy has read it
         handle = _Handle(host, t.device, copied, kind, next(self._seq))
-        self._live.setdefault(kind, []).append(weakref.ref(handle))
+        live = self._live.setdefault(kind, [])
+        if len(live) > 256:  # handles of graphs freed without a backward
+            live[:] = [r for r in live if r() is not None]
+        live.append(weakref.ref(handle))
         self.stats["offloaded"] += 1
-        self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        self.stats["offloaded_bytes"] += size
         self.stats[f"offloaded_{kind}"] = self.stats.get(f"offloaded_{kind}", 0) + 1
         return handle
 

@@ -345,8 +345,9 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
     vis = visibility(attention_mask, position_ids, kwargs, B, S, S, sliding_window=window, device=x.device)
     sinks = family.sinks(self)
 
-    # The whole-T tensors a tile reads go in as checkpoint inputs, not in the closure: a closure would
-    # keep them alive from the layer's forward to its backward (inputs are dropped with the layer's).
+    # The whole-T tensors a tile reads go in as checkpoint inputs, not through the closure: the closure
+    # would keep them alive from the layer's forward to its backward, while inputs are saved like any
+    # other tensor, which the layer's own checkpoint drops until its recompute.
     tile_inputs = (x, q_input, k_rot_raw, cos, sin, attn_k)
 
     def query_tile(a: int, b: int, selected: bool):
