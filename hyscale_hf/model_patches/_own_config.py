@@ -2,10 +2,11 @@
 
 Transformers models share config objects freely: several models built from one config (tests do it
 all the time), a config the caller keeps, ``from_pretrained(None, config=config, ...)``. A patch writes
-into the config (``_attn_implementation = "hyscale_dsa"``, the ``hyscale_config`` / ``hyscale_indexer``
-records), so patching one model in place would change every other model built from the same object:
-an unpatched model sharing it would run with an attention implementation that refuses unpatched
-modules, and a later model would read the patch's records. Before any change, the patch therefore
+into the config (the ``hyscale_config`` / ``hyscale_indexer`` records, and ``_attn_implementation =
+"hyscale_dsa"`` while a patched call runs, ``_attn_switch``), so patching one model in place would
+change every other model built from the same object: an unpatched model sharing it could run with an
+attention implementation that refuses unpatched modules, and a later model would read the patch's
+records. Before any change, the patch therefore
 deep-copies the model's config (its sub-configs with it) and points every module of the model that
 held the original (or one of its sub-configs) at the copy.
 
