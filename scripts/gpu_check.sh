@@ -58,9 +58,12 @@ for s in $stages; do
     e2e_smollm2)  # the converted dense model (SmolLM2-shaped Llama, 30 layers), dense against hyscale
       stage bench_e2e_smollm2 "${E2E_S:-560}" python3 scripts/bench_e2e.py --stack smollm2 --arms hyscale dense \
         --seqlens 32768 131072 --reps 2 --search-arms --out "$RES/smollm2" ${E2E_SMOLLM2_ARGS:-} ;;
-    long)  # long context: tiled + offload against hyscale at 128K, then the tiled arm's search to 1M tokens
+    long)  # long context: tiled + offload against hyscale at 128K, the tiled arm's search to 1M tokens, and
+           # where one 256K step's peak memory is (memory_by_phase.py)
       stage bench_long "${E2E_S:-560}" python3 scripts/bench_e2e.py --arms hyscale tiled_offload --seqlens 131072 \
-        --reps 2 --loss-chunk 16384 --search-arms tiled_offload --out "$RES/long" ${LONG_ARGS:-} ;;
+        --reps 2 --loss-chunk 16384 --search-arms tiled_offload --out "$RES/long" ${LONG_ARGS:-}
+      stage memory_by_phase 200 python3 scripts/memory_by_phase.py --arm tiled_offload --seqlen 262144 \
+        --out "$RES/long" ;;
     profile)  # kernel time by category of one step: glm5 hyscale at 64K and 128K, smollm2 hyscale and dense at 32K
       stage profile_glm5 "${PROFILE_S:-300}" python3 scripts/profile_step.py --out "$RES/profile_glm5" ${PROFILE_ARGS:-}
       for arm in hyscale dense; do

@@ -1,0 +1,31 @@
+"""scripts/memory_by_phase.py records one step's points at a tiny size on the CPU (the GPU run adds the
+memory figures with the same code)."""
+
+import json
+
+import pytest
+
+from tests.support.scripts import load_script
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("stack,arm", [("glm5", "tiled_offload"), ("smollm2", "hyscale")])
+def test_points_cover_every_layer_in_forward_and_recompute(tmp_path, stack, arm):
+    result = load_script("memory_by_phase").main(["--tiny", "--stack", stack, "--arm", arm, "--layers", "2",
+                                                  "--out", str(tmp_path)])
+    points = [r["point"] for r in result["rows"]]
+    assert points[0].startswith("start") and points[-2:] == ["backward done", "optimizer step"]
+    backward = points[points.index("loss computed"):]
+    for layer in (0, 1):
+        assert f"L{layer}.layer >" in points[:points.index("loss computed")]
+        for part in ("attn", "mlp", "norm1", "norm2"):
+            # in the forward, and again in the layer's checkpoint recompute during backward
+            assert points.count(f"L{layer}.{part} >") == 2 and f"L{layer}.{part} >" in backward, (layer, part)
+    assert backward.index("L1.attn >") < backward.index("L0.attn >")  # backward takes the layers in reverse
+    assert all(r["allocated_gib"] is None for r in result["rows"])  # no memory figures on the CPU
+    assert json.loads((tmp_path / "memory_by_phase.json").read_text())["rows"] == result["rows"]
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(SystemExit):
+        load_script("memory_by_phase").main(["--tiny", "--seqlen", "0"])
