@@ -44,8 +44,8 @@ class HyScaleConfig:
             ``[B, T, vocab]`` logits, and returns ``logits=None``. ``None``: the model's own loss.
         tile_tokens: when set (tokens, e.g. 65536), the token-wise work of a patched layer runs that many
             tokens at a time, each tile checkpointed, so its activations are O(tile) instead of O(T):
-            every decoder layer's MLP, and in the sparse stage a native DSA layer's query side (query
-            projections, sparse attention, output projection) and its indexer KL loss. The selection
+            every decoder layer's MLP, every norm, and in the sparse stage a native DSA layer's query
+            side (query projections, sparse attention, output projection) and its indexer KL loss. The selection
             and the keys (one latent row and one indexer key per token) are computed whole. Costs one
             more forward of the tiled work per step; results equal the untiled ones within rounding
             (docs/design.md section 11). ``None``: untiled.

@@ -118,11 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--indexer_loss_coef", type=float, help="weight of the indexer KL loss (default: HyScaleConfig's, 1e-3)")
     run.add_argument("--lm_loss_chunk", type=int, help="compute the LM loss this many tokens at a time, so the "
                      "[seq_len, vocab] logits never exist whole (default: off)")
-    run.add_argument("--tile_tokens", type=int, help="run each layer's token-wise work (MLPs, a DSA layer's query side "
-                     "and indexer loss) this many tokens at a time (HyScaleConfig.tile_tokens) [default: "
+    run.add_argument("--tile_tokens", type=int, help="run each layer's token-wise work (MLPs, norms, a DSA layer's query "
+                     "side and indexer loss) this many tokens at a time (HyScaleConfig.tile_tokens) [default: "
                      f"{AUTO_TILE_TOKENS} when --seq_len exceeds {AUTO_TILE_FROM}, else off]")
     run.add_argument("--offload_activations", dest="offload_activations", action="store_const", const=True,
-                     help="keep checkpointed layer inputs in pinned host memory (HyScaleConfig.offload_activations; "
+                     help="keep checkpointed layer inputs, replayed selections and indexer-loss gradients in pinned "
+                     "host memory (HyScaleConfig.offload_activations; "
                      f"needs gradient checkpointing) [default: on from --seq_len {AUTO_OFFLOAD_FROM} on a GPU]")
     run.add_argument("--no_offload_activations", dest="offload_activations", action="store_const", const=False,
                      help="keep them on the device")
