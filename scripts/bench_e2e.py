@@ -27,44 +27,22 @@ longer than --step-cap-s). Writes JSON and a PNG plot.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 
 import torch
 
+from hyscale_hf.benchmarking.memory import free, host_pinned_gib, is_oom, oom_message
 from hyscale_hf.benchmarking.stacks import ARMS, STACKS, TILE_TOKENS, make_arm, time_ms
 from hyscale_hf.kernels import chunked_cross_entropy
 
 DEFAULT_ARMS = ARMS[:4]
 
 
-def free(device) -> None:
-    """Return cached device memory, and cached pinned host memory (the offload arm's), between lengths."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
-        if empty_host is not None:
-            empty_host()
-
-
-def host_pinned_peak_gib() -> float | None:
-    """Peak pinned host memory the caching host allocator held since its last reset (blocks are rounded up)."""
-    stats_fn = getattr(torch.cuda, "host_memory_stats", None)  # newer torch only
-    stats = stats_fn() if stats_fn is not None and torch.cuda.is_available() else {}
-    value = stats.get("allocated_bytes.peak")
-    return None if value is None else value / 2**30
-
-
 def oom_row(T: int, err: BaseException) -> dict:
     """An OOM row, with the message: device memory or pinned host memory (the offload's) ran out."""
-    return {"T": T, "oom": True, "error": str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}
-
-
-def is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+    return {"T": T, "oom": True, "error": oom_message(err), "host_pinned_peak_gib": host_pinned_gib()}
 
 
 def chunked_lm_loss(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -95,7 +73,7 @@ def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return {"T": T, "step_ms": ms, "times_ms": times, "tokens_per_s": T / ms * 1e3, "peak_gib": peak,
-            "host_pinned_peak_gib": host_pinned_peak_gib() if device.type == "cuda" else None}
+            "host_pinned_peak_gib": host_pinned_gib() if device.type == "cuda" else None}
 
 
 def run_arm(arm: str, args, dims, device, dtype) -> dict:

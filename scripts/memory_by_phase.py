@@ -6,7 +6,9 @@ are points too. The attention, MLP and norm hooks fire again in each checkpoint 
 backward (a decoder layer's own hooks do not: the recompute calls its forward; and a recompute stops
 once it has what backward needs, so its last "<" points can be missing). The
 phase whose peak is the step's peak, and what was allocated when it began, say which tensors to go
-after (docs/design.md section 11).
+after (docs/design.md section 11). Two steps are logged: the first (kernel compiles, the optimizer
+state) and the steady second. Points print as they come; a step that runs out of memory ends the run,
+and the JSON keeps its points so far and the error's message (device or pinned host memory).
 
     python scripts/memory_by_phase.py --arm tiled_offload --seqlen 262144 --out results/   # one H200
     python scripts/memory_by_phase.py --tiny --out /tmp/phases                              # CPU smoke run
@@ -22,25 +24,33 @@ import os
 
 import torch
 
+from hyscale_hf.benchmarking.memory import host_pinned_gib, is_oom, oom_message
 from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm
 from hyscale_hf.kernels import chunked_cross_entropy
 
 
 class PhaseLog:
-    """``(point, allocated GiB, peak GiB since the previous point)`` rows (None figures off CUDA)."""
+    """``(step, point, allocated GiB, peak GiB since the previous point)`` rows (None figures off CUDA),
+    printed as they come, so a step that runs out of memory still shows how far it got."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, echo: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.echo = echo
+        self.step = 0
         self.rows: list[dict] = []
 
     def point(self, name: str) -> None:
-        row = {"point": name, "allocated_gib": None, "peak_since_previous_gib": None}
+        row = {"step": self.step, "point": name, "allocated_gib": None, "peak_since_previous_gib": None}
         if self.cuda:
             torch.cuda.synchronize()
             row["allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             row["peak_since_previous_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
         self.rows.append(row)
+        if self.echo:
+            figures = ("" if row["allocated_gib"] is None else
+                       f"allocated {row['allocated_gib']:7.2f} GiB, peak since previous {row['peak_since_previous_gib']:7.2f} GiB")
+            print(f"step {self.step} {name:<34} {figures}", flush=True)
 
     def hook(self, name: str):
         return lambda *args: self.point(name)
@@ -81,36 +91,42 @@ def main(argv=None) -> dict:
     ids = torch.randint(3, dims["vocab_size"], (1, T), generator=torch.Generator().manual_seed(T)).to(device)
     chunk = min(args.loss_chunk, T)
 
-    def step(log: PhaseLog | None):
+    log = PhaseLog(device)
+    watch(model, log)
+
+    def step():
         optimizer.zero_grad(set_to_none=True)
+        log.point("start (weights, optimizer state)")
         hidden = model.model(input_ids=ids).last_hidden_state
         loss = chunked_cross_entropy(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:], chunk)
-        if log:
-            log.point("loss computed")
+        log.point("loss computed")
         loss.backward()
-        if log:
-            log.point("backward done")
+        log.point("backward done")
         optimizer.step()
-        if log:
-            log.point("optimizer step")
+        log.point("optimizer step")
 
-    step(None)  # compiles kernels, makes the optimizer state
-    log = PhaseLog(device)
-    optimizer.zero_grad(set_to_none=True)
-    log.point("start (weights, optimizer state)")
-    watch(model, log)
-    step(log)
-    peaks = [r for r in log.rows if r["peak_since_previous_gib"] is not None]
+    # Step 1 compiles kernels and makes the optimizer state; step 2 is the steady one. Both are logged:
+    # at a length that does not fit, the first step's points say where memory ran out.
+    error = None
+    for log.step in (1, 2):
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - only running out of memory is expected; others re-raised
+            if not is_oom(err):
+                raise
+            error = oom_message(err)
+            print(f"step {log.step}: out of memory after {log.rows[-1]['point']!r}: {error}", flush=True)
+            break
+    peaks = [r for r in log.rows if r["peak_since_previous_gib"] is not None and r["step"] == log.step]
     top = max(peaks, key=lambda r: r["peak_since_previous_gib"]) if peaks else None
     result = {"stack": args.stack, "arm": args.arm, "T": T, "layers": layers, "tile_tokens": tile,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": log.rows,
-              "peak_point": top["point"] if top else None}
-    for r in log.rows:
-        figures = ("" if r["allocated_gib"] is None else
-                   f"allocated {r['allocated_gib']:7.2f} GiB, peak since previous {r['peak_since_previous_gib']:7.2f} GiB")
-        print(f"{r['point']:<34} {figures}")
+              "peak_point": top["point"] if top else None, "oom": error,
+              "host_pinned_peak_gib": host_pinned_gib() if device.type == "cuda" else None}
     if top:
-        print(f"step peak {top['peak_since_previous_gib']:.2f} GiB, in the phase ending at {top['point']!r}")
+        print(f"step {log.step} peak {top['peak_since_previous_gib']:.2f} GiB, in the phase ending at {top['point']!r}")
+    if result["host_pinned_peak_gib"] is not None:
+        print(f"pinned host memory peak {result['host_pinned_peak_gib']:.1f} GiB")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "memory_by_phase.json"), "w") as f:
         json.dump(result, f, indent=1)
