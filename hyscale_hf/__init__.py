@@ -32,6 +32,8 @@ _PUBLIC = {
     "measure_topk_recall": "training",
     "sample_topk_recall": "training",
     "patched_config": "training",
+    "enable_context_parallel": "context_parallel",
+    "disable_context_parallel": "context_parallel",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

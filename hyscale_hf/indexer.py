@@ -116,7 +116,7 @@ class TiledIndexerLoss:
 
     ``index`` is ``(q [B, S, H, D], k [B, T, D], w [B, S, H])``. Each ``add(a, b, loss_fn)`` computes the
     loss of queries ``a:b`` against keys ``:b`` (``loss_fn(q[:, a:b], k[:, :b], w[:, a:b])``, its share of
-    the layer's loss) and its gradients at once, so only one tile's loss inputs exist at a time; the
+    the layer's loss; ``keys`` other than ``b`` under context parallelism) and its gradients at once, so only one tile's loss inputs exist at a time; the
     query-side gradients land in their slice, the key gradient adds up in fp32 over tiles. ``join``
     attaches the summed loss to the layer output as ``indexer_loss_once`` does (recorded once per layer).
     Nothing is computed in a replaying recompute.
@@ -129,11 +129,12 @@ class TiledIndexerLoss:
         self.total = None
         self.grads = None
 
-    def add(self, a: int, b: int, loss_fn) -> None:
+    def add(self, a: int, b: int, loss_fn, keys: int | None = None) -> None:
         if self.skip:
             return
         q, k, w = self.index
-        parts = (q[:, a:b], k[:, :b], w[:, a:b])
+        keys = b if keys is None else keys  # context parallelism: local queries a:b see keys :keys of the whole
+        parts = (q[:, a:b], k[:, :keys], w[:, a:b])
         if self.compiling:
             loss, grads = loss_fn(*parts), None
         else:
@@ -149,7 +150,7 @@ class TiledIndexerLoss:
             if g is None:
                 continue
             if i == 1:  # the keys: every later tile sees them again
-                self.grads[i][:, :b].add_(g)
+                self.grads[i][:, :keys].add_(g)
             else:
                 self.grads[i][:, a:b].copy_(g)
 

@@ -47,6 +47,8 @@ build no autograd graph outside the indexer (``indexer.before_forward``). ``sele
     load_from: dict | None = None  # patch_model(state_dict=...): set only while the family applies the patch
     offloader: object | None = None  # the model's hyscale_hf.offload.HostOffload, made at first use
     attn_switch: object | None = None  # model_patches._attn_switch.AttnSwitch: the user's implementation
+    context_parallel: object | None = None  # hyscale_hf.context_parallel.ContextParallel while enabled
+    cp_undo: Callable[[], None] | None = None  # disables it
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())

@@ -31,9 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..indexer import LightningIndexer
 from ..records import LiveRecord, set_record
 from ..state import PatchState
+from ._cp_attention import cp_attention
 from ._dense_cache import indexer_cache_layer, is_static_layer, static_index_keys, static_query_offset
 from ._dense_weights import RECORD_ATTR, InitWithIndexers, copy_indexer_tensors, load_saved_indexers
 from ._dsa_patch import ATTN_SWITCH, LAYER_STATE, PatchUndo, patch_attention, resolve_indexer_options
@@ -96,6 +98,14 @@ class _LayerCall:
             ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
         elif T != S:
             raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
+        batch = kwargs.get(BATCH_KWARG)
+        if batch is not None:  # context parallelism: this rank's queries over the gathered keys (_cp_attention)
+            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+            k, v, ik = (gather_tokens(t, batch.cp) for t in (k, v, ik))
+            out, _ = cp_attention(lambda a, b, end: GQAAttention(q[:, a:b], k[:, :end], v[:, :end], scaling),
+                                  self.state, batch, batch_size=B, index=(iq, ik, iw), shared=False, prev_indices=None,
+                                  window=sliding_window, training=module.training, device=query.device)
+            return out, None
         vis = visibility(attention_mask, kwargs.get("position_ids"), kwargs, B, S, T, sliding_window=sliding_window,
                          query_offset=query_offset, device=query.device)
         attention = GQAAttention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)

@@ -253,6 +253,8 @@ def dsa_attention(
     training: bool = False,
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
     weights: bool = False,
+    loss_sink: Callable | None = None,
+    loss_count: torch.Tensor | None = None,
 ):
     """One attention step of a patched layer; reads the live ``state.config`` (stage, topk, backend).
 
@@ -268,6 +270,10 @@ def dsa_attention(
         finish: maps the attention output ``o [B, S, H, Dv]`` to the layer output the loss rides on
             (MLA: ``W_UV``, gates and ``o_proj``); identity when None.
         weights: also return the attention probabilities (``output_attentions=True``).
+        loss_sink: takes the indexer loss function (of this call's ``index``) instead of joining it here,
+            for a layer that sums several calls' losses (``_cp_attention``); None: joined to the output.
+        loss_count: the indexer loss's divisor (a sum over this call's queries divided by it), for a loss
+            taken over more queries than this call's; None: the mean over this call's counted queries.
 
     Returns:
         ``(output, indices, probabilities)``: indices int32 ``[B, S, K]`` of the sparse stage (None
@@ -301,9 +307,12 @@ def dsa_attention(
     out = o if finish is None else finish(o)
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
         def loss_fn(*index_outputs):
-            return _indexer_loss(attention, index_outputs, indices, lse, vis, compaction, cfg)
+            return _indexer_loss(attention, index_outputs, indices, lse, vis, compaction, cfg, loss_count)
 
-        out = indexer_loss_once(out, index, loss_fn, state)
+        if loss_sink is not None:
+            loss_sink(loss_fn)
+        else:
+            out = indexer_loss_once(out, index, loss_fn, state)
     return out, indices, probabilities
 
 
@@ -456,16 +465,19 @@ def _warn_selection_recomputed(state: PatchState) -> None:
         warnings.warn(_RECOMPUTED, UserWarning, stacklevel=3)
 
 
-def _indexer_loss(attention, index, indices, lse, vis: Visibility, compaction: Compaction | None, cfg) -> torch.Tensor:
-    """The indexer KL (fp32 scalar, mean over the real queries that have a key): on each query's selected
-    set in the sparse stage, over every visible key in the dense warm-up."""
+def _indexer_loss(attention, index, indices, lse, vis: Visibility, compaction: Compaction | None, cfg,
+                  count: torch.Tensor | None = None) -> torch.Tensor:
+    """The indexer KL (fp32 scalar, mean over the real queries that have a key, or their sum over
+    ``count``): on each query's selected set in the sparse stage, over every visible key in the dense warm-up."""
     iq, ik, iw = index
     if indices is not None:
         attn_q, attn_k = attention.target()
         if vis.query_real is not None:  # padding queries are no training signal
             indices = indices.masked_fill(~vis.query_real[..., None], -1)
-        return indexer_kl_loss(iq, ik, iw, attn_q, attn_k, indices, attn_lse=lse, scale=attention.scale,
-                               relu=cfg.relu, backend=cfg.backend, check_range=False)
+        kl = indexer_kl_loss(iq, ik, iw, attn_q, attn_k, indices, attn_lse=lse, scale=attention.scale,
+                             relu=cfg.relu, backend=cfg.backend, check_range=False,
+                             reduction="mean" if count is None else "sum")
+        return kl if count is None else kl / count
     (iq, ik, iw, attn_q, attn_k, lse), windows = _dense_inputs(attention, index, vis, compaction, lse)
     kl = indexer_kl_loss(iq, ik, iw, attn_q, attn_k, None, attn_lse=lse, scale=attention.scale, relu=cfg.relu,
                          reduction="none", backend=cfg.backend, **windows)
@@ -475,4 +487,4 @@ def _indexer_loss(attention, index, indices, lse, vis: Visibility, compaction: C
         B, S, T = attention.shape
         start, end = vis.windows(B, S, T, iq.device)
         counted = end >= start
-    return (kl * counted).sum() / counted.sum().clamp_min(1)
+    return (kl * counted).sum() / (counted.sum().clamp_min(1) if count is None else count)

@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..state import PatchState
+from ._cp_attention import cp_attention
 from ._dsa_patch import patch_attention, resolve_indexer_options
 from ._dsa_step import MLAAttention, dsa_attention, dsa_attention_tiled, sparse_step, wants_weights
 from ._visibility import visibility
@@ -283,6 +285,9 @@ def mla_dsa_attention_forward(
             sin.detach(), position_ids,
         )
         index = (index_q, _indexer_keys(cache, self.layer_idx, new_keys, past, T), index_w)
+    if kwargs.get(BATCH_KWARG) is not None:
+        return _cp_forward(self, family, state, kwargs[BATCH_KWARG], x, q_nope, q_rot, gate, attn_k, index,
+                           prev_topk_indices, window)
     # Counted over the L keys attended over (a sliding-window cache keeps only the last of the T so far).
     vis = visibility(attention_mask, position_ids, kwargs, B, S, latent.shape[1], sliding_window=window,
                      device=x.device)
@@ -300,6 +305,36 @@ def mla_dsa_attention_forward(
     if family.returns_indices:
         return attn_output, weights, topk_indices
     return attn_output, weights
+
+
+def _cp_forward(self, family: MLADSAFamily, state: PatchState, batch, x, q_nope, q_rot, gate, attn_k, index,
+                prev_topk_indices, window):
+    """The patched forward's attention under context parallelism (``_cp_attention``): the latent rows and
+    the indexer keys gathered over the group, this rank's queries attending chunk by chunk."""
+    attn_k = gather_tokens(attn_k, batch.cp)
+    if index is not None:
+        index = (index[0], gather_tokens(index[1], batch.cp), index[2])
+    w_uk, w_uv = _absorb_weights(self)
+    sinks = family.sinks(self)
+
+    def chunk_attention(a: int, b: int, end: int):
+        return MLAAttention(q_nope[:, a:b], q_rot[:, a:b], w_uk, attn_k[:, :end], value_dim=self.kv_lora_rank,
+                            scale=self.scaling, sinks=sinks, name=family.model_type)
+
+    def finish(a: int, b: int):
+        def run(o_latent):
+            o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
+            return self.o_proj(family.finish_output(self, x[:, a:b], o, None if gate is None else gate[:, a:b]))
+
+        return run
+
+    attn_output, topk_indices = cp_attention(
+        chunk_attention, state, batch, batch_size=x.shape[0], index=index, shared=family.is_shared_layer(self),
+        prev_indices=prev_topk_indices, window=window, training=self.training, device=x.device, finish=finish,
+    )
+    if family.returns_indices:
+        return attn_output, None, topk_indices
+    return attn_output, None
 
 
 # ----------------------------------------------------------------------------- query tiles

@@ -162,7 +162,7 @@ def _latest_start(parts: list[torch.Tensor], B: int, S: int, device) -> torch.Te
 
 def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int, *,
                sliding_window: int | None = None, query_offset: torch.Tensor | None = None,
-               device=None) -> Visibility:
+               segment_start: torch.Tensor | None = None, device=None) -> Visibility:
     """The visibility of ``queries`` queries over the ``keys`` keys a layer attends over (the last of
     them is the last query's own key).
 
@@ -173,6 +173,8 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         kwargs: the layer's keyword arguments (``cu_seq_lens_q`` / ``cu_seq_lens_k`` are read).
         sliding_window: ``W`` of a sliding-window layer (keys ``pos - W < s <= pos``), else None.
         query_offset: a static cache's slot of the first query (0-dim tensor), else None.
+        segment_start: int64 ``[B, S]`` first key of each query's packed sequence, from a caller that
+            knows the whole sequence (context parallelism: this call sees a chunk of it), else None.
     """
     B, S, T = batch, queries, keys
     parts = []  # window starts, [B] or [B, S]
@@ -201,6 +203,8 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         seg = _segment_starts(position_ids.to(device), B, S)
         if seg is not None and _holds_resets(position_ids, seg):
             parts.append(seg)
+    if segment_start is not None:
+        parts.append(segment_start)
     if sliding_window is not None:
         parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
     return Visibility(cu_seqlens, _latest_start(parts, B, S, device), key_mask, query_real, query_pos)

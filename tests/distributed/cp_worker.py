@@ -1,0 +1,145 @@
+"""One rank of the context-parallel tests (tests/distributed/test_context_parallel.py), on CPU with gloo.
+
+Every rank builds the same tiny patched model twice: a reference that runs the whole batch in this one
+process, and a copy with ``enable_context_parallel`` over all ranks. Both take one checkpointed training
+step's forward and backward on the same batch. The rank writes what the test compares to
+``OUT/rank<r>.pt``: per case, the reference's and the group's LM loss (mean over ranks of each rank's
+loss), indexer loss (likewise), gradients (the group's averaged over ranks, as DDP does), and the
+selections (the reference's rows of this rank's queries, and the rank's own).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hyscale_hf
+from hyscale_hf.model_patches import _dsa_step
+from hyscale_hf.state import patch_state
+
+LENGTH = 32  # a multiple of 2 x 4 ranks
+
+
+def _model(family: str):
+    if family == "glm5":
+        from tests.model_patches.tiny_models import build
+
+        model, _ = build("glm_moe_dsa", seed=0, index_topk=6)
+        return model, dict(backend="torch", indexer_loss_coef=1.0)
+    from tests.distributed.fsdp2_tiny_train import PATCH, tiny_llama
+
+    return tiny_llama(), dict(PATCH)
+
+
+def _batch(kind: str):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2 if kind != "packed" else 1, LENGTH), generator=g)
+    kwargs = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "padded":  # right padding in row 0, left padding in row 1
+        mask = torch.ones_like(ids)
+        mask[0, -5:] = 0
+        mask[1, :3] = 0
+        kwargs["attention_mask"] = mask
+        kwargs["labels"] = ids.masked_fill(mask == 0, -100)
+    if kind == "packed":  # three sequences, positions restarting
+        kwargs["position_ids"] = torch.cat([torch.arange(11), torch.arange(9), torch.arange(12)])[None]
+    return kwargs
+
+
+def _record_selections(store: list):
+    original = _dsa_step._select
+
+    def recording(index, vis, compaction, topk, cfg):
+        indices = original(index, vis, compaction, topk, cfg)
+        store.append(indices.clone())
+        return indices
+
+    _dsa_step._select = recording
+    return lambda: setattr(_dsa_step, "_select", original)
+
+
+def _step(model, kwargs: dict, selections: list):
+    model.zero_grad(set_to_none=True)
+    restore = _record_selections(selections)
+    try:
+        loss = model(**kwargs).loss
+        loss.backward()
+    finally:
+        restore()
+    indexer = patch_state(model).pop_indexer_loss()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), torch.tensor(indexer if indexer is not None else float("nan")), grads
+
+
+def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def run_case(family: str, kind: str, warmup: bool) -> dict:
+    base, options = _model(family)
+    ref = hyscale_hf.patch_model(base, dense_warmup=warmup, **options)
+    cp = copy.deepcopy(ref)  # the same added indexers (patch_model initialises them at random)
+    for m in (ref, cp):
+        m.train()
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable()
+    hyscale_hf.enable_context_parallel(cp)
+    kwargs = _batch(kind)
+    ref_sel, cp_sel = [], []
+    ref_loss, ref_index, ref_grads = _step(ref, kwargs, ref_sel)
+    cp_loss, cp_index, cp_grads = _step(cp, {k: v.clone() for k, v in kwargs.items()}, cp_sel)
+    grads = {n: _mean_over_ranks(g) for n, g in cp_grads.items()}
+    return {
+        "loss": (ref_loss, _mean_over_ranks(cp_loss)), "indexer_loss": (ref_index, _mean_over_ranks(cp_index)),
+        "grads": (ref_grads, grads), "selections": (ref_sel, cp_sel),
+        "chunks": patch_state(cp).context_parallel.chunks(LENGTH),
+    }
+
+
+def bad_inputs() -> dict:
+    """The messages the group's pre-hook gives for inputs it refuses (before any work)."""
+    model, options = _model("llama")
+    model = hyscale_hf.patch_model(model, **options)
+    hyscale_hf.enable_context_parallel(model)
+    ids = torch.randint(3, 128, (1, LENGTH), generator=torch.Generator().manual_seed(4))
+    attempts = {
+        "length": lambda: model(input_ids=ids[:, :30]),
+        "different_batches": lambda: model(input_ids=ids + dist.get_rank()),
+        "output_attentions": lambda: model(input_ids=ids, output_attentions=True),
+        "tile_tokens": lambda: (setattr(patch_state(model).config, "tile_tokens", 8), model(input_ids=ids)),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    return messages
+
+
+CASES = {
+    2: [("glm5", "plain", False), ("glm5", "plain", True), ("glm5", "padded", False), ("llama", "plain", False),
+        ("llama", "padded", False), ("llama", "packed", False), ("llama", "plain", True)],
+    4: [("glm5", "plain", False), ("llama", "packed", False)],
+}
+
+
+def main(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        results = {case: run_case(*case) for case in CASES[world]}
+        results["errors"] = bad_inputs()
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
