@@ -27,6 +27,7 @@ Torch only; the model must be patched (``patch_model``) first.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -160,7 +161,7 @@ class _ShardInputs:
         self.cp, self.state = cp, state
 
     def __call__(self, module, args, kwargs):
-        if BATCH_KWARG in kwargs:  # a nested call of a model under this one: already sharded
+        if BATCH_KWARG in kwargs or self.state.context_parallel is None:  # a nested call, or paused
             return None
         if self.state.config.tile_tokens is not None:
             raise ValueError("context parallelism with tile_tokens is not supported yet: set tile_tokens=None")
@@ -276,3 +277,19 @@ def disable_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
     state.cp_undo()
     state.cp_undo = None
     return model
+
+
+@contextmanager
+def context_parallel_paused(model: torch.nn.Module):
+    """Forwards inside run whole sequences on each rank alone (e.g. an evaluation in the middle of a
+    context-parallel training run); a no-op where context parallelism is not enabled."""
+    state = patch_state(model)
+    cp = None if state is None else state.context_parallel
+    if cp is None:
+        yield
+        return
+    state.context_parallel = None
+    try:
+        yield
+    finally:
+        state.context_parallel = cp

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                      f"needs gradient checkpointing) [default: on from --seq_len {AUTO_OFFLOAD_FROM} on a GPU]")
     run.add_argument("--no_offload_activations", dest="offload_activations", action="store_const", const=False,
                      help="keep them on the device")
+    run.add_argument("--cp_size", type=int, default=1, help="context parallelism: split each sequence over this many "
+                     "processes of an accelerate launch (hyscale_hf.enable_context_parallel; the rest of the processes "
+                     "are data-parallel groups); --seq_len must be a multiple of 2 x cp_size (default: 1)")
     run.add_argument("--gradient_checkpointing", dest="gradient_checkpointing", action="store_const", const=True,
                      help="recompute activations in backward, with selection replay [preset: on, off for cpu]")
     run.add_argument("--no_gradient_checkpointing", dest="gradient_checkpointing", action="store_const", const=False,
@@ -236,7 +239,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, *, on_gp
                 err(f"--{key} applies to a pretrained --model, not the built random-init model")
     positive = ["seq_len", "max_steps", "batch_size", "grad_accum", "logging_steps", "passkey_trials", "eval_tokens",
                 "save_total_limit", "topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "tile_tokens",
-                "passkey_length",
+                "passkey_length", "cp_size",
                 "eval_steps", "hidden_size", "num_layers"]
     for name in positive:
         value = getattr(args, name)
@@ -295,7 +298,12 @@ def _memory_options(err, args, on_gpu: bool) -> None:
     if args.offload_activations and args.gradient_checkpointing is False:
         err("--offload_activations moves what checkpointed layers keep; it needs --gradient_checkpointing "
             "(off here: --no_gradient_checkpointing, or the cpu preset)")
-    if args.tile_tokens is None and args.seq_len > AUTO_TILE_FROM:
+    if args.cp_size > 1:
+        if args.seq_len % (2 * args.cp_size):
+            err(f"--seq_len {args.seq_len} must be a multiple of 2 x --cp_size = {2 * args.cp_size} (two chunks per rank)")
+        if args.tile_tokens is not None:
+            err("--tile_tokens does not work with --cp_size > 1 yet (each rank holds seq_len / cp_size tokens)")
+    elif args.tile_tokens is None and args.seq_len > AUTO_TILE_FROM:
         args.tile_tokens = AUTO_TILE_TOKENS
     if args.offload_activations is None:
         args.offload_activations = bool(on_gpu and args.seq_len >= AUTO_OFFLOAD_FROM

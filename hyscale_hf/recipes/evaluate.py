@@ -117,8 +117,11 @@ def stage_evaluation(args, name: str, model, passkey, held_out, checkpoint: str 
     path = Path(args.output_dir) / f"evaluation_{name}.json"
     if checkpoint is not None and path.is_file():
         return json.loads(path.read_text())
-    result = evaluate(model, held_out, passkey=passkey, depths=args.depths, trials=args.passkey_trials,
-                      seed=args.seed + 1, progress=not args.no_progress and args.main_process, desc=name)
+    from ..context_parallel import context_parallel_paused
+
+    with context_parallel_paused(model):  # each rank evaluates whole sequences (--cp_size splits training only)
+        result = evaluate(model, held_out, passkey=passkey, depths=args.depths, trials=args.passkey_trials,
+                          seed=args.seed + 1, progress=not args.no_progress and args.main_process, desc=name)
     if args.main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))

@@ -25,6 +25,7 @@ functions, after the arguments are parsed, so ``--help`` and argument errors com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -76,7 +77,8 @@ def run(argv=None) -> dict:
                                                            data.held_out, checkpoint)
     trainer, interrupt = build_trainer(args, model, tokenizer, data, checkpoint)
     after_warmup = WarmupEvaluationCallback(args, passkey, data.held_out, checkpoint).add_to(trainer)
-    trainer.train(resume_from_checkpoint=checkpoint)
+    with context_parallel(args, trainer.model):
+        trainer.train(resume_from_checkpoint=checkpoint)
     if interrupt.signum is not None:
         return interrupted(args, trainer, interrupt.signum)
     train_seconds = time.time() - started
@@ -93,6 +95,28 @@ def run(argv=None) -> dict:
     return results
 
 
+@contextlib.contextmanager
+def context_parallel(args, model):
+    """Training with each sequence split over ``--cp_size`` ranks: a ("dp", "cp") device mesh over the
+    launched processes (consecutive ranks form a context-parallel group) and
+    ``hyscale_hf.enable_context_parallel`` on its "cp" dimension for the duration."""
+    if args.cp_size == 1:
+        yield
+        return
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hyscale_hf
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (args.dp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
+    hyscale_hf.enable_context_parallel(model, mesh["cp"])
+    try:
+        yield
+    finally:
+        hyscale_hf.disable_context_parallel(model)
+
+
 def setup(args) -> None:
     import torch
     from transformers import set_seed
@@ -102,6 +126,9 @@ def setup(args) -> None:
                         "bfloat16": torch.bfloat16}[args.dtype]
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.main_process = int(os.environ.get("RANK", "0")) == 0
+    if args.world_size % args.cp_size:
+        raise SystemExit(f"error: --cp_size {args.cp_size} does not divide the {args.world_size} processes launched")
+    args.dp_size = args.world_size // args.cp_size  # data-parallel groups, each one sequence split over cp_size ranks
     set_seed(args.seed)
 
 
@@ -245,7 +272,7 @@ def prepare_data(args, tokenizer) -> Data:
     datasets.disable_progress_bars() if args.no_progress else datasets.enable_progress_bars()
     held_blocks = math.ceil(args.eval_tokens / args.seq_len)
     eval_blocks = 0
-    train_blocks = args.max_steps * args.batch_size * args.grad_accum * args.world_size + 2
+    train_blocks = args.max_steps * args.batch_size * args.grad_accum * args.dp_size + 2
     if args.eval_fraction is not None:
         eval_blocks = max(1, math.ceil(train_blocks * args.eval_fraction / (1 - args.eval_fraction)))
     # bytes per token ~ 1 for the byte tokenizer, ~4 for subword tokenizers; over-asking is cheap
@@ -266,13 +293,26 @@ def prepare_data(args, tokenizer) -> Data:
         raise SystemExit(f"error: only {n} training blocks of --seq_len {args.seq_len} tokens left after holding out "
                          f"documents for --eval_tokens {args.eval_tokens}: use more data, a shorter --seq_len or fewer "
                          "--eval_tokens")
-    train = blocks.select(range(n - eval_blocks))
+    train = in_reading_order(blocks.select(range(n - eval_blocks)), args)
     evaluation = blocks.select(range(n - eval_blocks, n)) if eval_blocks else None
     if args.eval_split is not None:
         docs = load_documents(args.dataset, config=args.dataset_config, split=args.eval_split,
                               text_column=args.text_column, max_chars=int(held_blocks * args.seq_len * chars_per_token))
         evaluation = pack(docs, tokenizer, args.seq_len)
     return Data(train, evaluation, held_out)
+
+
+def in_reading_order(train, args):
+    """The training blocks in the order every run reads them (``train_sampling_strategy="sequential"``):
+    shuffled once with ``--seed``, so the global batches are the same however many processes share a
+    step. Under ``--cp_size`` each batch is listed once per rank of a context-parallel group: the
+    Trainer deals consecutive batches to consecutive ranks, and those ranks must all get the same one."""
+    train = train.shuffle(seed=args.seed)
+    if args.cp_size == 1:
+        return train
+    b = args.batch_size
+    order = [i for k in range(len(train) // b) for _ in range(args.cp_size) for i in range(k * b, (k + 1) * b)]
+    return train.select(order)
 
 
 def split_held_out(docs: list[str], tokenizer, seq_len: int, blocks: int) -> tuple[list[str], list[str]]:
@@ -313,6 +353,10 @@ def training_arguments(args):
         ddp_find_unused_parameters=(args.dense_warmup_steps > 0) if args.world_size > 1 else None,
     )
     kwargs[checkpointing] = args.gradient_checkpointing
+    if "train_sampling_strategy" in fields:
+        kwargs["train_sampling_strategy"] = "sequential"  # prepare_data shuffled the blocks (in_reading_order)
+    elif args.cp_size > 1:
+        raise SystemExit("error: --cp_size needs a Transformers whose TrainingArguments has train_sampling_strategy")
     return TrainingArguments(**kwargs)
 
 
