@@ -43,7 +43,7 @@ for s in $stages; do
     tests)   # every GPU-marked test (tests/scripts has none; it needs datasets to be collected)
       skip=""
       python3 -c "import datasets" 2>/dev/null || skip="--ignore=tests/scripts"
-      stage gpu_tests "${TESTS_S:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests $skip ;;
+      stage gpu_tests "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu tests $skip ;;
     compat)  # the CPU suite of the patches under the host's Transformers version, GPU hidden
       CUDA_VISIBLE_DEVICES="" stage compat_tests 400 python3 -m pytest -q -p no:cacheprovider -x \
         tests/model_patches tests/test_replay.py tests/test_replay_models.py ;;
