@@ -41,12 +41,33 @@ def tiled_tokens(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ti
     n = x.shape[dim]
     if tile is None or n <= tile:
         return fn(x)
-    outs = []
+    out = TileOutput(n, dim)
     for a, b in tile_bounds(n, tile):
-        out = run_tile(fn, x.narrow(dim, a, b - a).contiguous())  # a copy only for batch > 1 (modules view it flat)
-        if not isinstance(out, torch.Tensor):
+        y = run_tile(fn, x.narrow(dim, a, b - a).contiguous())  # a copy only for batch > 1 (modules view it flat)
+        if not isinstance(y, torch.Tensor):
             raise TypeError(
-                f"tile_tokens tiles token-wise modules that return one tensor; {fn!r} returned {type(out).__name__}"
+                f"tile_tokens tiles token-wise modules that return one tensor; {fn!r} returned {type(y).__name__}"
             )
-        outs.append(out)
-    return torch.cat(outs, dim=dim)
+        out.put(a, b, y)
+    return out.tensor
+
+
+class TileOutput:
+    """The whole output of tiles, written tile by tile into one tensor allocated at the first tile.
+
+    ``torch.cat`` of the tiles would hold every tile's output and the concatenation at once: twice the
+    output (12 GiB more for a 6144-wide bf16 hidden state at 1M tokens). Each ``put`` copies a tile into
+    its slice (autograd records the copy, and backward hands each tile its slice of the gradient) and
+    lets the tile's own output go.
+    """
+
+    def __init__(self, n: int, dim: int = 1) -> None:
+        self.n, self.dim = n, dim
+        self.tensor = None
+
+    def put(self, a: int, b: int, y: torch.Tensor) -> None:
+        if self.tensor is None:
+            shape = list(y.shape)
+            shape[self.dim] = self.n
+            self.tensor = y.new_empty(shape)
+        self.tensor.narrow(self.dim, a, b - a).copy_(y)

@@ -40,7 +40,7 @@ from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
 from ..replay import replaying, reuse_indices
 from ..state import PatchState, in_backward
-from ..tiling import run_tile, tile_bounds
+from ..tiling import TileOutput, run_tile, tile_bounds
 from ..training import observe_selection
 from ._attention_weights import attend_through, layer_weights
 from ._compaction import Compaction
@@ -357,10 +357,11 @@ def dsa_attention_tiled(
         counted = indices if vis.query_real is None else indices.masked_fill(~vis.query_real[..., None], -1)
         count = (counted >= 0).any(-1).sum().clamp_min(1)  # a device tensor: no host read
     bounds = tile_bounds(S, tile)
-    outs = []
+    outs = TileOutput(S)
     for a, b in bounds:
         out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended[:, a:b], *tile_inputs)
-        outs.append(out)
+        outs.put(a, b, out)
+        del out
         if loss is not None:
             def loss_fn(iq, ik, iw, a=a, b=b, attn_q=attn_q, lse=lse):
                 kl = indexer_kl_loss(iq, ik, iw, attn_q, kv[:, :b], counted[:, a:b], attn_lse=lse, scale=scale,
@@ -370,7 +371,7 @@ def dsa_attention_tiled(
             loss.add(a, b, loss_fn)
         if index is not None and (a, b) == bounds[-1]:
             _observe_last_tile(state, index, attn_q, kv, vis, compaction, shape, a, b, scale)
-    out = torch.cat(outs, dim=1)
+    out = outs.tensor
     return (out if loss is None else loss.join(out)), indices
 
 
