@@ -87,9 +87,10 @@ def build_llama(dims: dict, layers: int, max_t: int, device, dtype, *, attn_impl
 
 
 def make_arm(stack: str, arm: str, dims: dict, layers: int, max_t: int, device, dtype, *,
-             tile_tokens: int = TILE_TOKENS):
+             tile_tokens: int = TILE_TOKENS, **patch_options):
     """``(model, AdamW)`` of one arm of ``stack`` ("glm5" or "smollm2"), with non-reentrant gradient
-    checkpointing on every layer. ``native`` exists for the DSA stack only."""
+    checkpointing on every layer. ``native`` exists for the DSA stack only. ``patch_options`` go to
+    ``patch_model`` in the patched arms (e.g. ``lm_loss_chunk``)."""
     import hyscale_hf
 
     if arm not in ARMS:
@@ -104,13 +105,14 @@ def make_arm(stack: str, arm: str, dims: dict, layers: int, max_t: int, device, 
         impl = "sdpa" if arm == "native" and torch.device(device).type == "cuda" else "eager"
         model = build_model(dims, layers, max_t, device, dtype, attn_implementation=impl)
     if arm == "hyscale":
-        hyscale_hf.patch_model(model)
+        hyscale_hf.patch_model(model, **patch_options)
     elif arm == "replay_off":
-        hyscale_hf.patch_model(model, selection_replay=False)
+        hyscale_hf.patch_model(model, selection_replay=False, **patch_options)
     elif arm == "lean_off":
-        hyscale_hf.patch_model(model, lean_activations=False)
+        hyscale_hf.patch_model(model, lean_activations=False, **patch_options)
     elif arm in ("tiled", "tiled_offload"):
-        hyscale_hf.patch_model(model, tile_tokens=tile_tokens, offload_activations=arm == "tiled_offload")
+        hyscale_hf.patch_model(model, tile_tokens=tile_tokens, offload_activations=arm == "tiled_offload",
+                               **patch_options)
     enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=torch.device(device).type == "cuda")
     return model, optimizer

@@ -101,6 +101,37 @@ def run_case(family: str, kind: str, warmup: bool) -> dict:
     }
 
 
+def fsdp2_2d() -> dict:
+    """FSDP2 over all 4 ranks x context parallelism over pairs of them (mesh dp 2 x cp 2): each data-parallel
+    group trains on its own sequence of a 2-sequence batch, split over its 2 ranks; FSDP2 averages the
+    gradients over the 4. Against one process on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    base, options = _model("llama")
+    ref = hyscale_hf.patch_model(base, **options)
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m.train()
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable()
+    kwargs = _batch("plain")  # 2 sequences
+    ref_loss, _, ref_grads = _step(ref, kwargs, [])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    world = init_device_mesh("cpu", (4,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=world)
+    fully_shard(model, mesh=world)
+    hyscale_hf.enable_context_parallel(model, mesh["cp"])
+    row = mesh["dp"].get_local_rank()
+    mine = {k: v[row : row + 1].clone() for k, v in kwargs.items()}
+    model.zero_grad(set_to_none=True)
+    loss = model(**mine).loss
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": (ref_loss, _mean_over_ranks(loss.detach())), "grads": (ref_grads, grads)}
+
+
 def bad_inputs() -> dict:
     """The messages the group's pre-hook gives for inputs it refuses (before any work)."""
     model, options = _model("llama")
@@ -136,6 +167,8 @@ def main(rank: int, world: int, store: str, out: str) -> None:
     try:
         results = {case: run_case(*case) for case in CASES[world]}
         results["errors"] = bad_inputs()
+        if world == 4:
+            results["fsdp2_2d"] = fsdp2_2d()
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -71,6 +71,18 @@ def test_every_rank_selects_what_one_process_selects(ranks):
                     assert (ref[:, start:end, K:] == -1).all(), (case, rank, layer, c)
 
 
+def test_fsdp2_on_a_2d_mesh_equals_one_process(ranks):
+    world, results = ranks
+    if world != 4:
+        pytest.skip("the 2 x 2 mesh needs 4 ranks")
+    res = results[0]["fsdp2_2d"]
+    _close(*res["loss"], what="LM loss")
+    ref_grads, grads = res["grads"]
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        _close(g, grads[name], what=f"grad {name}")
+
+
 def test_bad_inputs_are_refused_with_the_reason(ranks):
     world, results = ranks
     for rank, result in enumerate(results):
