@@ -165,8 +165,8 @@ class _ShardInputs:
             return None
         if self.state.config.tile_tokens is not None:
             raise ValueError("context parallelism with tile_tokens is not supported yet: set tile_tokens=None")
-        if args:
-            names = list(inspect.signature(module.forward).parameters)
+        if args:  # the class's signature: an instance forward (lm_loss_chunk's) takes *args
+            names = [n for n in inspect.signature(type(module).forward).parameters if n != "self"]
             kwargs = {**dict(zip(names, args)), **kwargs}
         if kwargs.get("output_attentions"):
             raise ValueError("context parallelism does not return attention weights (output_attentions=True)")
@@ -271,6 +271,7 @@ class _Undo:
 
 
 def disable_context_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``enable_context_parallel``: forwards take whole sequences on each rank again; returns ``model``."""
     state = patch_state(model)
     if state is None or state.context_parallel is None:
         raise ValueError("context parallelism is not enabled on this model")

@@ -116,9 +116,10 @@ class TiledIndexerLoss:
 
     ``index`` is ``(q [B, S, H, D], k [B, T, D], w [B, S, H])``. Each ``add(a, b, loss_fn)`` computes the
     loss of queries ``a:b`` against keys ``:b`` (``loss_fn(q[:, a:b], k[:, :b], w[:, a:b])``, its share of
-    the layer's loss; ``keys`` other than ``b`` under context parallelism) and its gradients at once, so only one tile's loss inputs exist at a time; the
-    query-side gradients land in their slice, the key gradient adds up in fp32 over tiles. ``join``
-    attaches the summed loss to the layer output as ``indexer_loss_once`` does (recorded once per layer).
+    the layer's loss; keys ``:keys`` under context parallelism, where local queries see the gathered keys)
+    and its gradients at once, so only one tile's loss inputs exist at a time; the query-side gradients
+    land in their slice, the key gradient adds up in fp32 over tiles. ``join`` attaches the summed loss to
+    the layer output as ``indexer_loss_once`` does (recorded once per layer).
     Nothing is computed in a replaying recompute.
     """
 

@@ -132,6 +132,17 @@ def fsdp2_2d() -> dict:
     return {"loss": (ref_loss, _mean_over_ranks(loss.detach())), "grads": (ref_grads, grads)}
 
 
+def positional_call() -> tuple:
+    """The LM loss of a model with the chunked LM loss (an instance forward taking ``*args``) called with
+    ``input_ids`` by position and by keyword."""
+    model, options = _model("llama")
+    model = hyscale_hf.patch_model(model, lm_loss_chunk=8, **options)
+    hyscale_hf.enable_context_parallel(model)
+    ids = torch.randint(3, 128, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return model(ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+
+
 def bad_inputs() -> dict:
     """The messages the group's pre-hook gives for inputs it refuses (before any work)."""
     model, options = _model("llama")
@@ -167,6 +178,7 @@ def main(rank: int, world: int, store: str, out: str) -> None:
     try:
         results = {case: run_case(*case) for case in CASES[world]}
         results["errors"] = bad_inputs()
+        results["positional"] = positional_call()
         if world == 4:
             results["fsdp2_2d"] = fsdp2_2d()
         torch.save(results, f"{out}/rank{rank}.pt")

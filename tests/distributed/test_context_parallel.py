@@ -83,6 +83,13 @@ def test_fsdp2_on_a_2d_mesh_equals_one_process(ranks):
         _close(g, grads[name], what=f"grad {name}")
 
 
+def test_input_ids_by_position_are_sharded_too(ranks):
+    _, results = ranks
+    for result in results:
+        by_position, by_keyword = result["positional"]
+        assert torch.equal(by_position, by_keyword)
+
+
 def test_bad_inputs_are_refused_with_the_reason(ranks):
     world, results = ranks
     for rank, result in enumerate(results):
