@@ -56,9 +56,10 @@ class TileOutput:
     """The whole output of tiles, written tile by tile into one tensor allocated at the first tile.
 
     ``torch.cat`` of the tiles would hold every tile's output and the concatenation at once: twice the
-    output (12 GiB more for a 6144-wide bf16 hidden state at 1M tokens). Each ``put`` copies a tile into
-    its slice (autograd records the copy, and backward hands each tile its slice of the gradient) and
-    lets the tile's own output go.
+    output (12 GiB more for a 6144-wide bf16 hidden state at 1M tokens). Each ``put`` writes a tile into
+    its slice and lets the tile's own output go. Plain ``copy_`` into a slice would cost as much in
+    backward (autograd's ``CopySlices`` clones the whole gradient once per tile); ``_WriteTile`` hands
+    each tile a view of its slice of the gradient and passes the gradient on as it is.
     """
 
     def __init__(self, n: int, dim: int = 1) -> None:
@@ -70,4 +71,21 @@ class TileOutput:
             shape = list(y.shape)
             shape[self.dim] = self.n
             self.tensor = y.new_empty(shape)
-        self.tensor.narrow(self.dim, a, b - a).copy_(y)
+        self.tensor = _WriteTile.apply(self.tensor, y, self.dim, a, b)
+
+
+class _WriteTile(torch.autograd.Function):
+    """``out[..., a:b, ...] = y`` in place. Every slice is written once, into a buffer from ``new_empty``:
+    the gradient of ``out`` before the write is the incoming gradient itself (the slice it overwrites
+    held nothing any tile reads), so backward passes it on without a copy."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, y: torch.Tensor, dim: int, a: int, b: int) -> torch.Tensor:
+        out.narrow(dim, a, b - a).copy_(y)
+        ctx.mark_dirty(out)
+        ctx.dim, ctx.a, ctx.b = dim, a, b
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.narrow(ctx.dim, ctx.a, ctx.b - ctx.a), None, None, None
