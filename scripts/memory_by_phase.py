@@ -56,11 +56,17 @@ class PhaseLog:
         return lambda *args: self.point(name)
 
 
-def watch(model: torch.nn.Module, log: PhaseLog) -> None:
-    """Points before and after every decoder layer and its attention, MLP and norms."""
+def watch(model: torch.nn.Module, log: PhaseLog, detail: bool = False) -> None:
+    """Points before and after every decoder layer and its attention, MLP and norms; with ``detail`` also
+    around every linear projection inside the attention (its query and key projections, the indexer's,
+    ``o_proj``), which splits the attention's own peak: the gap between the indexer's last projection and
+    the first query-head projection is the selection, and a tiled layer's query side shows tile by tile."""
     for i, layer in enumerate(model.model.layers):
         parts = {"layer": layer, "attn": layer.self_attn, "mlp": layer.mlp,
                  "norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm}
+        if detail:
+            parts |= {f"attn.{name}": m for name, m in layer.self_attn.named_modules()
+                      if isinstance(m, torch.nn.Linear)}
         for name, module in parts.items():
             module.register_forward_pre_hook(log.hook(f"L{i}.{name} >"))
             module.register_forward_hook(log.hook(f"L{i}.{name} <"))
@@ -74,6 +80,7 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the stack's)")
     p.add_argument("--loss-chunk", type=int, default=16384, help="tokens per LM-head/cross-entropy chunk")
     p.add_argument("--tile-tokens", type=int, default=65536, help="tile_tokens of the tiled arms")
+    p.add_argument("--detail", action="store_true", help="also points around the attention's linear projections")
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
     p.add_argument("--out", default="outputs/memory_by_phase")
     args = p.parse_args(argv)
@@ -92,7 +99,7 @@ def main(argv=None) -> dict:
     chunk = min(args.loss_chunk, T)
 
     log = PhaseLog(device)
-    watch(model, log)
+    watch(model, log, detail=args.detail)
 
     def step():
         optimizer.zero_grad(set_to_none=True)

@@ -43,3 +43,12 @@ def test_a_step_that_runs_out_of_memory_keeps_its_points(tmp_path, monkeypatch):
 def test_bad_sizes_are_refused():
     with pytest.raises(SystemExit):
         load_script("memory_by_phase").main(["--tiny", "--seqlen", "0"])
+
+
+def test_detail_adds_the_attention_projections(tmp_path):
+    result = load_script("memory_by_phase").main(["--tiny", "--layers", "1", "--detail", "--out", str(tmp_path)])
+    points = [r["point"] for r in result["rows"] if r["step"] == 2]
+    forward = points[:points.index("loss computed")]
+    assert "L0.attn.indexer.wq_b <" in forward and "L0.attn.o_proj <" in forward
+    # the indexer runs before the query heads: their gap is the selection
+    assert forward.index("L0.attn.indexer.weights_proj <") < forward.index("L0.attn.q_b_proj >")
