@@ -163,8 +163,6 @@ class _ShardInputs:
     def __call__(self, module, args, kwargs):
         if BATCH_KWARG in kwargs or self.state.context_parallel is None:  # a nested call, or paused
             return None
-        if self.state.config.tile_tokens is not None:
-            raise ValueError("context parallelism with tile_tokens is not supported yet: set tile_tokens=None")
         if args:  # the class's signature: an instance forward (lm_loss_chunk's) takes *args
             names = [n for n in inspect.signature(type(module).forward).parameters if n != "self"]
             kwargs = {**dict(zip(names, args)), **kwargs}
@@ -244,8 +242,6 @@ def enable_context_parallel(model: torch.nn.Module, group=None) -> torch.nn.Modu
         raise ValueError("enable_context_parallel needs a model patched by hyscale_hf.patch_model")
     if state.context_parallel is not None:
         raise ValueError("context parallelism is already enabled on this model")
-    if state.config.tile_tokens is not None:
-        raise ValueError("context parallelism with tile_tokens is not supported yet: set tile_tokens=None")
     cp = ContextParallel.of(group)
     root = base_model(model)
     handle = root.register_forward_pre_hook(_ShardInputs(cp, state), with_kwargs=True, prepend=True)

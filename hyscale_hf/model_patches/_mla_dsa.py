@@ -342,9 +342,12 @@ def _cp_forward(self, family: MLADSAFamily, state: PatchState, batch, x, q_nope,
 
 def _tiled(attn, family: MLADSAFamily, state: PatchState, S: int, cache, kwargs: dict) -> bool:
     """Whether this call runs its query side in tiles: ``tile_tokens`` set and exceeded, a sparse step
-    (the dense warm-up attends in query chunks of its own), no cache, no attention weights asked for."""
+    (the dense warm-up attends in query chunks of its own), no cache, no attention weights asked for, no
+    context parallelism (whose two local chunks run one after the other; MLPs and norms still tile)."""
     tile = state.config.tile_tokens
     if tile is None or S <= tile or cache is not None or wants_weights(attn, kwargs):
+        return False
+    if kwargs.get(BATCH_KWARG) is not None:  # context parallelism: its chunks (T / 2N queries each) take the place
         return False
     indexer, shared = family.indexer(attn), family.is_shared_layer(attn)
     if not sparse_step(state.config, indexer, shared, family.sliding_window(attn)):

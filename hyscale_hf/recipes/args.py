@@ -298,12 +298,9 @@ def _memory_options(err, args, on_gpu: bool) -> None:
     if args.offload_activations and args.gradient_checkpointing is False:
         err("--offload_activations moves what checkpointed layers keep; it needs --gradient_checkpointing "
             "(off here: --no_gradient_checkpointing, or the cpu preset)")
-    if args.cp_size > 1:
-        if args.seq_len % (2 * args.cp_size):
-            err(f"--seq_len {args.seq_len} must be a multiple of 2 x --cp_size = {2 * args.cp_size} (two chunks per rank)")
-        if args.tile_tokens is not None:
-            err("--tile_tokens does not work with --cp_size > 1 yet (each rank holds seq_len / cp_size tokens)")
-    elif args.tile_tokens is None and args.seq_len > AUTO_TILE_FROM:
+    if args.cp_size > 1 and args.seq_len % (2 * args.cp_size):
+        err(f"--seq_len {args.seq_len} must be a multiple of 2 x --cp_size = {2 * args.cp_size} (two chunks per rank)")
+    if args.tile_tokens is None and args.seq_len > AUTO_TILE_FROM:
         args.tile_tokens = AUTO_TILE_TOKENS
     if args.offload_activations is None:
         args.offload_activations = bool(on_gpu and args.seq_len >= AUTO_OFFLOAD_FROM

@@ -97,7 +97,6 @@ def test_bad_inputs_are_refused_with_the_reason(ranks):
         assert f"multiple of {2 * world}" in errors["length"] and "got 30 tokens" in errors["length"], rank
         assert "different batches" in errors["different_batches"], rank
         assert "output_attentions" in errors["output_attentions"], rank
-        assert "tile_tokens" in errors["tile_tokens"], rank
 
 
 def test_enable_needs_a_patched_model_and_an_initialised_group():

@@ -46,7 +46,5 @@ def test_cp_size_must_divide_the_processes_and_the_length(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--tiny", "--cp_size", "3", "--output_dir", str(tmp_path)])  # 256 tokens: not a multiple of 6
     with pytest.raises(SystemExit):
-        parse_args(["--tiny", "--cp_size", "2", "--tile_tokens", "64", "--output_dir", str(tmp_path)])
-    with pytest.raises(SystemExit):
         parse_args(["--tiny", "--cp_size", "0", "--output_dir", str(tmp_path)])
     assert parse_args(["--tiny", "--cp_size", "2", "--output_dir", str(tmp_path)]).cp_size == 2
