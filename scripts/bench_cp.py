@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import hyscale_hf
+from hyscale_hf.benchmarking.cli import require_positive
 from hyscale_hf.benchmarking.memory import free, is_oom, oom_message
 from hyscale_hf.benchmarking.stacks import STACKS, make_arm, sync, time_ms
 
@@ -101,9 +102,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="toy dims on CPU processes (gloo), a smoke run")
     p.add_argument("--out", default="outputs/bench_cp")
     args = p.parse_args(argv)
-    for name in ("tokens_per_rank", "loss_chunk", "reps"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require_positive(p, args, *("tokens_per_rank", "loss_chunk", "reps"))
     if args.tokens_per_rank % 2:
         p.error(f"--tokens-per-rank must be even (two chunks per rank), got {args.tokens_per_rank}")
     cuda = torch.cuda.is_available() and not args.tiny

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from hyscale_hf.benchmarking.cli import require_positive
 from hyscale_hf.benchmarking.memory import host_pinned_gib, is_oom, oom_message
 from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm
 from hyscale_hf.kernels import chunked_cross_entropy
@@ -84,9 +85,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
     p.add_argument("--out", default="outputs/memory_by_phase")
     args = p.parse_args(argv)
-    for name in ("seqlen", "loss_chunk", "tile_tokens"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require_positive(p, args, *("seqlen", "loss_chunk", "tile_tokens"))
     stack = STACKS[args.stack]
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

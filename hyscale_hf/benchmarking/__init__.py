@@ -1,3 +1,4 @@
 """Helpers shared by the benchmark scripts (and the tests that check them): ``timing`` (CUDA-event
-timing), ``inputs`` (realistic selections and indexer-loss tensors) and ``glm5`` (the GLM-5-shaped
-model stacks; Transformers is imported only when a model is built)."""
+timing), ``inputs`` (realistic selections and indexer-loss tensors), ``stacks`` (the GLM-5- and
+SmolLM2-shaped model stacks; Transformers is imported only when a model is built), ``memory`` (device
+and pinned-host figures, out-of-memory handling) and ``cli`` (argument checks)."""
