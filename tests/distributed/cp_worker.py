@@ -132,6 +132,49 @@ def fsdp2_2d() -> dict:
     return {"loss": (ref_loss, _mean_over_ranks(loss.detach())), "grads": (ref_grads, grads)}
 
 
+def saved_bytes() -> dict:
+    """Bytes autograd saves for backward in one training forward (no checkpointing, so every activation
+    is saved; each storage counted once, the weights left out): tiny GLM-5 on the whole sequence in one process, and on this
+    rank's share under context parallelism; with the bytes of the tensors ``gather_tokens`` returned."""
+    from hyscale_hf import context_parallel
+
+    base, options = _model("glm5")
+    ref = hyscale_hf.patch_model(base, **options).train()
+    cp = copy.deepcopy(ref)
+    hyscale_hf.enable_context_parallel(cp)
+    ids = torch.randint(3, 128, (1, 4 * LENGTH), generator=torch.Generator().manual_seed(6))
+
+    def measure(model) -> tuple[int, int]:
+        storages, gathered = {}, []
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # the same on every rank
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        original = context_parallel._GatherTokens.apply
+
+        def counting(*args):
+            out = original(*args)
+            gathered.append(out.numel() * out.element_size())
+            return out
+
+        context_parallel._GatherTokens.apply = counting
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(input_ids=ids, labels=ids).loss
+        finally:
+            context_parallel._GatherTokens.apply = original
+        del loss
+        return sum(storages.values()), sum(gathered)
+
+    single, _ = measure(ref)
+    rank, gathered = measure(cp)
+    return {"single": single, "rank": rank, "gathered": gathered, "tokens": ids.shape[1]}
+
+
 def positional_call() -> tuple:
     """The LM loss of a model with the chunked LM loss (an instance forward taking ``*args``) called with
     ``input_ids`` by position and by keyword."""
@@ -179,6 +222,7 @@ def main(rank: int, world: int, store: str, out: str) -> None:
         results = {case: run_case(*case) for case in CASES[world]}
         results["errors"] = bad_inputs()
         results["positional"] = positional_call()
+        results["saved_bytes"] = saved_bytes()
         if world == 4:
             results["fsdp2_2d"] = fsdp2_2d()
         torch.save(results, f"{out}/rank{rank}.pt")

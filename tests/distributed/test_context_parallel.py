@@ -83,6 +83,18 @@ def test_fsdp2_on_a_2d_mesh_equals_one_process(ranks):
         _close(g, grads[name], what=f"grad {name}")
 
 
+def test_memory_per_rank_is_a_share_plus_the_gathered_keys(ranks):
+    """What a rank saves for backward: the one-process bytes over N (per-token activations, and the
+    selections and attention blocks of its queries), plus the gathered keys, which are whole-sequence."""
+    world, results = ranks
+    for rank, result in enumerate(results):
+        m = result["saved_bytes"]
+        print(f"{world} ranks, rank {rank}: saved {m['rank']} B, one process {m['single']} B "
+              f"(/N = {m['single'] // world}), gathered keys {m['gathered']} B")
+        assert m["rank"] <= 1.02 * m["single"] / world + m["gathered"], (rank, m)
+        assert m["rank"] >= 0.98 * m["single"] / world, (rank, m)
+
+
 def test_input_ids_by_position_are_sharded_too(ranks):
     _, results = ranks
     for result in results:
