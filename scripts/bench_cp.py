@@ -94,6 +94,8 @@ def run_phase(name: str, build, warmup: int, reps: int, device, profile_share: b
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stack", choices=sorted(STACKS), default="glm5")
+    p.add_argument("--arm", choices=("hyscale", "tiled", "tiled_offload"), default="hyscale",
+                   help="patch options of bench_e2e's arm of that name (tiling and offload for the longest contexts)")
     p.add_argument("--tokens-per-rank", type=int, default=131072)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the stack's)")
     p.add_argument("--loss-chunk", type=int, default=16384, help="HyScaleConfig.lm_loss_chunk")
@@ -122,7 +124,8 @@ def main(argv=None) -> dict:
 
     def build(tokens: int, cp: bool):
         def make():
-            model, optimizer = make_arm(args.stack, "hyscale", dims, layers, tokens, device, dtype, lm_loss_chunk=chunk)
+            model, optimizer = make_arm(args.stack, args.arm, dims, layers, tokens, device, dtype, lm_loss_chunk=chunk,
+                                        **({"tile_tokens": 8} if args.tiny else {}))
             if cp:
                 hyscale_hf.enable_context_parallel(model)
             g = torch.Generator().manual_seed(tokens)  # the same sequence on every rank of the group
@@ -136,7 +139,7 @@ def main(argv=None) -> dict:
     rows.append(run_phase("context_parallel", build(T, True), args.warmup, args.reps, device, True))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
-    result = {"stack": args.stack, "layers": layers, "world": world, "tokens_per_rank": per_rank, "tokens": T,
+    result = {"stack": args.stack, "arm": args.arm, "layers": layers, "world": world, "tokens_per_rank": per_rank, "tokens": T,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "ranks": gathered}
     if rank == 0:
         report(result, args.out)

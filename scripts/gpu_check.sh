@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
-# SATTN_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S
-# (seconds). Stages e2e_smollm2, long and profile are not in the default set (name them). The fsdp2 stage needs 2 GPUs
+# SATTN_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S
+# (seconds). Stages e2e_smollm2, long, profile and cp are not in the default set (name them). The cp stage needs
+# several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
 # and the GGUF file at /tmp/smollm2.gguf or in .gguf_parts/ (split -b 50000000, one part per call, each
@@ -81,6 +82,17 @@ for s in $stages; do
         --preset glm5 --max_steps 40 --dense_pretrain_steps 10 --dense_warmup_steps 10 --lora_r 8 --logging_steps 5 --passkey_trials 2 \
         --output_dir /tmp/finetune_fsdp2 --no_progress
       cp /tmp/finetune_fsdp2/results.json "$RES/finetune_fsdp2.json" 2>/dev/null ;;
+    cp)  # needs several GPUs (nvidia-h200-x2 / -x8): context parallelism over all of them (issue 30)
+      n=$(nvidia-smi -L | wc -l)
+      stage bench_cp "${CP_S:-560}" torchrun --standalone --nproc_per_node "$n" scripts/bench_cp.py \
+        --out "$RES/cp" ${CP_ARGS:-}
+      # per-step losses of the recipe split over the GPUs against one GPU, at a length one GPU trains
+      for k in 1 "$n"; do
+        stage "finetune_cp$k" "${FINETUNE_S:-280}" accelerate launch --config_file scripts/accelerate/cp2_2gpu.yaml \
+          --num_processes "$k" scripts/finetune_long.py --preset glm5 --cp_size "$k" --max_steps 20 --dense_pretrain_steps 5 \
+          --dense_warmup_steps 5 --logging_steps 1 --passkey_trials 2 --output_dir "/tmp/finetune_cp$k" --no_progress
+        cp "/tmp/finetune_cp$k/log_history.json" "$RES/finetune_cp${k}_log_history.json" 2>/dev/null
+      done ;;
     realmodel)  # the main job's GPU preset on SmolLM2-135M; its GGUF file travels in parts (README)
       [ -f /tmp/smollm2.gguf ] || cat .gguf_parts/part-* >/tmp/smollm2.gguf
       rm -rf /tmp/realmodel

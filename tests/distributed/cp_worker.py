@@ -19,6 +19,7 @@ import torch.distributed as dist
 import hyscale_hf
 from hyscale_hf.model_patches import _dsa_step
 from hyscale_hf.state import patch_state
+from tests.support.saved import saved_bytes
 
 LENGTH = 32  # a multiple of 2 x 4 ranks
 
@@ -80,16 +81,16 @@ def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t / dist.get_world_size()
 
 
-def run_case(family: str, kind: str, warmup: bool, tile: int | None = None) -> dict:
+def run_case(family: str, kind: str, warmup: bool, tile: int | None = None, device: str = "cpu") -> dict:
     base, options = _model(family)
-    ref = hyscale_hf.patch_model(base, dense_warmup=warmup, tile_tokens=tile, **options)
+    ref = hyscale_hf.patch_model(base.to(device), dense_warmup=warmup, tile_tokens=tile, **options)
     cp = copy.deepcopy(ref)  # the same added indexers (patch_model initialises them at random)
     for m in (ref, cp):
         m.train()
         m.config.use_cache = False
         m.gradient_checkpointing_enable()
     hyscale_hf.enable_context_parallel(cp)
-    kwargs = _batch(kind)
+    kwargs = {k: v.to(device) for k, v in _batch(kind).items()}
     ref_sel, cp_sel = [], []
     ref_loss, ref_index, ref_grads = _step(ref, kwargs, ref_sel)
     cp_loss, cp_index, cp_grads = _step(cp, {k: v.clone() for k, v in kwargs.items()}, cp_sel)
@@ -132,10 +133,11 @@ def fsdp2_2d() -> dict:
     return {"loss": (ref_loss, _mean_over_ranks(loss.detach())), "grads": (ref_grads, grads)}
 
 
-def saved_bytes() -> dict:
+def saved_bytes_per_rank() -> dict:
     """Bytes autograd saves for backward in one training forward (no checkpointing, so every activation
-    is saved; each storage counted once, the weights left out): tiny GLM-5 on the whole sequence in one process, and on this
-    rank's share under context parallelism; with the bytes of the tensors ``gather_tokens`` returned."""
+    is saved; each storage counted once, the weights left out): tiny GLM-5 on the whole sequence in one
+    process, and on this rank's share under context parallelism; with the bytes of the tensors
+    ``gather_tokens`` returned."""
     from hyscale_hf import context_parallel
 
     base, options = _model("glm5")
@@ -145,15 +147,7 @@ def saved_bytes() -> dict:
     ids = torch.randint(3, 128, (1, 4 * LENGTH), generator=torch.Generator().manual_seed(6))
 
     def measure(model) -> tuple[int, int]:
-        storages, gathered = {}, []
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # the same on every rank
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
+        gathered = []
         original = context_parallel._GatherTokens.apply
 
         def counting(*args):
@@ -163,7 +157,7 @@ def saved_bytes() -> dict:
 
         context_parallel._GatherTokens.apply = counting
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved_bytes(model) as storages:
                 loss = model(input_ids=ids, labels=ids).loss
         finally:
             context_parallel._GatherTokens.apply = original
@@ -222,7 +216,7 @@ def main(rank: int, world: int, store: str, out: str) -> None:
         results = {case: run_case(*case) for case in CASES[world]}
         results["errors"] = bad_inputs()
         results["positional"] = positional_call()
-        results["saved_bytes"] = saved_bytes()
+        results["saved_bytes"] = saved_bytes_per_rank()
         if world == 4:
             results["fsdp2_2d"] = fsdp2_2d()
         torch.save(results, f"{out}/rank{rank}.pt")

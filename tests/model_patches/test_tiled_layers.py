@@ -12,6 +12,7 @@ from hyscale_hf import patch_model, patched_config
 from hyscale_hf.kernels import sparse_attn
 from hyscale_hf.offload import HostOffload
 from hyscale_hf.state import in_backward, patch_state
+from tests.support.saved import saved_bytes
 from tests.test_replay_models import B, T, _build, _grads, _ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -187,17 +188,8 @@ def test_cuda_step_with_tiles_and_offload_equals_the_plain_one(model_type):
 
 def _kept_bytes(model) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps for backward after one forward."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
     ids = _ids()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(model) as storages:
         loss = model(input_ids=ids, labels=ids).loss
     del loss
     return sum(storages.values())
