@@ -109,6 +109,11 @@ def indexer_kl_loss_reference(
                 pieces.append(chunk_kl(*args))
         kl = torch.cat(pieces, dim=1)
         has_key = end >= start
+    return reduce_kl(kl, has_key, reduction)
+
+
+def reduce_kl(kl: torch.Tensor, has_key: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The per-query KL ``[B, S]`` reduced as ``reduction`` asks ("mean" over queries with a key)."""
     if reduction == "none":
         return kl
     if reduction == "sum":

@@ -24,7 +24,7 @@ from ..checks import (
 from . import triton_kernels as kernels
 from .masked_dense import fits as masked_dense_fits
 from .masked_dense import indexer_kl_masked_dense
-from .naive import indexer_kl_loss_reference
+from .naive import indexer_kl_loss_reference, reduce_kl
 
 _LOG2E = 1.4426950408889634
 
@@ -218,17 +218,6 @@ def indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, *
     kl = _IndexerKLSparse.apply(index_q, index_k, index_w, attn_q.detach(), attn_k.detach(), indices,
                                 attn_lse, scale, relu, config)
     return reduce_kl(kl, (indices >= 0).any(-1), reduction)
-
-
-def reduce_kl(kl: torch.Tensor, has_key: torch.Tensor, reduction: str) -> torch.Tensor:
-    """The per-query KL ``[B, S]`` reduced as ``reduction`` asks ("mean" over queries with a key)."""
-    if reduction == "none":
-        return kl
-    if reduction == "sum":
-        return kl.sum()
-    if reduction == "mean":
-        return kl.sum() / has_key.sum().clamp_min(1)
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
 # ----------------------------------------------------------------------------- public function
