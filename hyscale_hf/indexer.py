@@ -112,30 +112,30 @@ def _loss_and_grads(index: tuple, loss_fn, state: PatchState):
 
 
 class TiledIndexerLoss:
-    """``indexer_loss_once`` for a layer whose queries run in tiles (``HyScaleConfig.tile_tokens``).
+    """``indexer_loss_once`` for a layer whose queries run in parts: tiles (``HyScaleConfig.tile_tokens``)
+    or the chunks of context parallelism.
 
-    ``index`` is ``(q [B, S, H, D], k [B, T, D], w [B, S, H])``. Each ``add(a, b, loss_fn)`` computes the
-    loss of queries ``a:b`` against keys ``:b`` (``loss_fn(q[:, a:b], k[:, :b], w[:, a:b])``, its share of
-    the layer's loss; keys ``:keys`` under context parallelism, where local queries see the gathered keys)
-    and its gradients at once, so only one tile's loss inputs exist at a time; the query-side gradients
-    land in their slice, the key gradient adds up in fp32 over tiles. ``join`` attaches the summed loss to
-    the layer output as ``indexer_loss_once`` does (recorded once per layer).
-    Nothing is computed in a replaying recompute.
+    ``keys`` is the layer's indexer key ``[B, T, D]`` (with its graph to the indexer). Each
+    ``add((q, k, w), loss_fn)`` takes one part's queries ``q [B, s, H, D]`` and weights ``w [B, s, H]`` (a
+    tile's own tensors, or slices of the layer's) with the keys it sees, ``k = keys[:, :end]``, and
+    computes that part's loss ``loss_fn(q, k, w)`` (its share of the layer's loss) and its gradients at
+    once, so one part's loss inputs exist at a time. The query-side gradients join the graph right away
+    (``_LossWithGradient``, into the offload's host memory when it is on); the key gradient adds up in
+    fp32 over the parts. ``join`` attaches the summed loss to the layer output as ``indexer_loss_once``
+    does (recorded once per layer). Nothing is computed in a replaying recompute.
     """
 
-    def __init__(self, index: tuple, state: PatchState) -> None:
-        self.index, self.state = index, state
+    def __init__(self, keys: torch.Tensor, state: PatchState) -> None:
+        self.keys, self.state = keys, state
         self.compiling = torch.compiler.is_compiling()
         self.skip = not self.compiling and _replayed_recompute()
         self.total = None
-        self.grads = None
+        self.key_grad = None
+        self.terms: list[torch.Tensor] = []  # zero-valued losses that carry each part's query-side gradients
 
-    def add(self, a: int, b: int, loss_fn, keys: int | None = None) -> None:
+    def add(self, parts: tuple, loss_fn) -> None:
         if self.skip:
             return
-        q, k, w = self.index
-        keys = b if keys is None else keys  # context parallelism: local queries a:b see keys :keys of the whole
-        parts = (q[:, a:b], k[:, :keys], w[:, a:b])
         if self.compiling:
             loss, grads = loss_fn(*parts), None
         else:
@@ -143,25 +143,28 @@ class TiledIndexerLoss:
         self.total = loss if self.total is None else self.total + loss
         if grads is None:
             return
-        if self.grads is None:
-            self.grads = [None if g is None else torch.zeros(t.shape, dtype=torch.float32 if i == 1 else t.dtype,
-                                                              device=t.device)
-                          for i, (t, g) in enumerate(zip(self.index, grads))]
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if i == 1:  # the keys: every later tile sees them again
-                self.grads[i][:, :keys].add_(g)
-            else:
-                self.grads[i][:, a:b].copy_(g)
+        gq, gk, gw = grads
+        if gk is not None:
+            if self.key_grad is None:
+                self.key_grad = torch.zeros(self.keys.shape, dtype=torch.float32, device=self.keys.device)
+            self.key_grad[:, : gk.shape[1]].add_(gk)  # every later part sees these keys again
+        q, _, w = parts
+        if gq is not None or gw is not None:
+            self.terms.append(_LossWithGradient.apply(torch.zeros((), dtype=loss.dtype, device=loss.device),
+                                                      (gq, gw), model_offload(self.state), q, w))
 
     def join(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.skip or self.total is None:
             return hidden
-        if self.compiling or self.grads is None:
+        if self.compiling or (self.key_grad is None and not self.terms):
             return attach_indexer_loss(hidden, self.total, self.state)
-        grads = tuple(None if g is None else g.to(t.dtype) for g, t in zip(self.grads, self.index))
-        loss = _LossWithGradient.apply(self.total, grads, model_offload(self.state), *self.index)
+        if self.key_grad is None:
+            loss = self.total
+        else:
+            grads = (self.key_grad.to(self.keys.dtype),)
+            loss = _LossWithGradient.apply(self.total, grads, model_offload(self.state), self.keys)
+        for term in self.terms:
+            loss = loss + term
         return attach_indexer_loss(hidden, loss, self.state)
 
 

@@ -18,34 +18,20 @@ import torch
 
 from ..context_parallel import ContextBatch
 from ..indexer import TiledIndexerLoss
-from ..kernels.windows import query_windows
 from ..state import PatchState
 from ._dsa_step import dsa_attention
-from ._visibility import Visibility, _holds_resets, _segment_starts, visibility
-
-
-def segment_starts(batch: ContextBatch, B: int, device) -> torch.Tensor | None:
-    """int64 ``[B, T]`` first token of each token's packed sequence over the whole sequence, or None when
-    nothing is packed. The same rule as one process (``_visibility``): ``cu_seq_lens_q`` when given, else
-    ``position_ids`` resets when no padding mask is given. Derived once per forward for all layers."""
-    if "segments" not in batch.cache:
-        seg = None
-        if batch.cu_seqlens is not None:
-            seg = query_windows(B, batch.T, batch.T, cu_seqlens=batch.cu_seqlens, device=device)[0]
-        elif batch.attention_mask is None:
-            found = _segment_starts(batch.position_ids.to(device), B, batch.T)
-            if found is not None and _holds_resets(batch.position_ids, found):
-                seg = found
-        batch.cache["segments"] = seg
-    return batch.cache["segments"]
+from ._visibility import Visibility, query_part, visibility
 
 
 def chunk_visibility(batch: ContextBatch, start: int, end: int, B: int, window: int | None, device) -> Visibility:
-    """The visibility of the queries ``start:end`` of the whole sequence over its keys ``:end``."""
-    seg = segment_starts(batch, B, device)
-    mask = None if batch.attention_mask is None else batch.attention_mask[:, :end]
-    return visibility(mask, None, {}, B, end - start, end, sliding_window=window, device=device,
-                      segment_start=None if seg is None else seg[:, start:end])
+    """The visibility of the queries ``start:end`` of the whole sequence over its keys ``:end``: the whole
+    sequence's (built once per forward and window, as one process builds it) cut to them."""
+    key = ("visibility", window)
+    if key not in batch.cache:
+        kwargs = {} if batch.cu_seqlens is None else {"cu_seq_lens_q": batch.cu_seqlens}
+        batch.cache[key] = visibility(batch.attention_mask, batch.position_ids, kwargs, B, batch.T, batch.T,
+                                      sliding_window=window, device=device)
+    return query_part(batch.cache[key], start, end, B, device)
 
 
 def cp_attention(chunk_attention: Callable, state: PatchState, batch: ContextBatch, *, batch_size: int, index,
@@ -58,7 +44,7 @@ def cp_attention(chunk_attention: Callable, state: PatchState, batch: ContextBat
     cfg = state.config
     loss = None
     if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
-        loss = TiledIndexerLoss(index, state)
+        loss = TiledIndexerLoss(index[1], state)
     outs, selections = [], []
     for (a, b), (start, end) in batch.local_chunks():
         vis = chunk_visibility(batch, start, end, batch_size, window, device)
@@ -67,7 +53,7 @@ def cp_attention(chunk_attention: Callable, state: PatchState, batch: ContextBat
             chunk_attention(a, b, end), state, vis, index=part, shared=shared,
             prev_indices=None if prev_indices is None else prev_indices[:, a:b], window=window, training=training,
             finish=None if finish is None else finish(a, b),
-            loss_sink=None if loss is None else partial(loss.add, a, b, keys=end), loss_count=batch.loss_count,
+            loss_sink=None if loss is None else partial(loss.add, part), loss_count=batch.loss_count,
         )
         outs.append(out)
         selections.append(indices)

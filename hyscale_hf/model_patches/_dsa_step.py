@@ -44,7 +44,7 @@ from ..tiling import TileOutput, run_tile, tile_bounds
 from ..training import observe_selection
 from ._attention_weights import attend_through, layer_weights
 from ._compaction import Compaction
-from ._visibility import Visibility, padding_mask_only, window_indices
+from ._visibility import Visibility, padding_mask_only, query_part, window_indices
 
 ATTN_IMPLEMENTATION = "hyscale_dsa"
 CALL_KWARG = "_hyscale_call"  # the keyword a patched dense forward adds for the attention function
@@ -324,60 +324,80 @@ def dsa_attention_tiled(
     vis: Visibility,
     shape: tuple,
     *,
-    index: tuple | None,
+    index_keys: torch.Tensor | None,
+    index_queries: Callable | None,
     shared: bool,
     prev_indices: torch.Tensor | None,
     window: int | None,
     training: bool,
     scale: float,
     tile: int,
+    keep_indices: bool,
 ):
     """``dsa_attention`` of a sparse step whose queries run in tiles (``HyScaleConfig.tile_tokens``).
 
-    The selection is made for all queries at once (HyTopK keeps O(chunk) memory of its own; selection
-    replay sees one selection op per layer as untiled). Then each tile of queries ``a:b`` runs
-    ``query_tile(a, b, selected)(attended[:, a:b], *tile_inputs)`` under its own checkpoint
-    (``hyscale_hf.tiling``; ``tile_inputs``: the whole-T tensors the tiles read, passed as inputs):
-    the layer's query side from its inputs, attention over the keys ``:b`` it can see, the output
-    projection; it returns ``(output [B, b - a, ...], absorbed query, lse)``, the last two detached (the
-    KL target). The indexer KL of each tile is computed right after it (``TiledIndexerLoss``), as a
-    sum over the tile's queries divided by the layer's count of queries with a key: the same loss as
-    untiled. ``kv``: the attention's keys ``[B, T, 1, C]`` (the KL target's). Returns ``(output, indices)``.
+    Each tile of queries ``a:b`` is its own DSA step over the keys ``:b`` it can see (``query_part`` cuts
+    the layer's visibility to it), so nothing query-sized exists for the whole sequence but the output:
+    ``index_queries(a, b)`` gives the tile's indexer queries and weights (``index_keys``: the layer's
+    indexer keys ``[B, T, D]``); the tile selects (one replayed selection op per tile), then
+    ``query_tile(a, b, selected)(attended, *tile_inputs)`` runs under its own checkpoint
+    (``hyscale_hf.tiling``; ``tile_inputs``: the whole-T tensors the tiles read, passed as inputs): the
+    layer's query side from its inputs, attention over the keys ``:b``, the output projection; it returns
+    ``(output [B, b - a, ...], absorbed query, lse)``, the last two detached (the KL target). The tile's
+    indexer KL follows at once (``TiledIndexerLoss``), a sum over its queries divided by the layer's count
+    of real queries: the same loss as untiled. ``kv``: the attention's keys ``[B, T, 1, C]``. Returns
+    ``(output, indices [B, S, min(topk, T)] or None)``, the indices only with ``keep_indices`` (an
+    IndexShare layer hands them on).
     """
     cfg = state.config
     B, S, T = shape
-    compaction = None
-    if index is not None and vis.key_mask is not None:
-        compaction = Compaction(vis.key_mask, vis.windows(B, S, T, kv.device)[0], S, vis.query_pos)
-    indices, attended = _selection(state, vis, compaction, shape, kv.device, index=index, shared=shared,
-                                   prev_indices=prev_indices, window=window)
     loss = None
-    if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
-        loss = TiledIndexerLoss(index, state)
-        counted = indices if vis.query_real is None else indices.masked_fill(~vis.query_real[..., None], -1)
-        count = (counted >= 0).any(-1).sum().clamp_min(1)  # a device tensor: no host read
+    if index_keys is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
+        loss = TiledIndexerLoss(index_keys, state)
+        # Every real query sees at least its own key: the layer's count, known before any tile selects.
+        count = (torch.full((), B * S, dtype=torch.float32, device=kv.device) if vis.query_real is None
+                 else vis.query_real.sum().float().clamp_min(1))
     bounds = tile_bounds(S, tile)
     outs = TileOutput(S)
+    kept = None
     for a, b in bounds:
-        out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended[:, a:b], *tile_inputs)
+        part = query_part(vis, a, b, B, kv.device)
+        index = None
+        if index_keys is not None:
+            iq, iw = index_queries(a, b)
+            index = (iq, index_keys[:, :b], iw)
+        compaction = None
+        if index is not None and part.key_mask is not None:
+            compaction = Compaction(part.key_mask, part.windows(B, b - a, b, kv.device)[0], b - a, None)
+        indices, attended = _selection(state, part, compaction, (B, b - a, b), kv.device, index=index,
+                                       shared=shared, prev_indices=None if prev_indices is None else prev_indices[:, a:b],
+                                       window=window)
+        out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended, *tile_inputs)
         outs.put(a, b, out)
         del out
         if loss is not None:
-            def loss_fn(iq, ik, iw, a=a, b=b, attn_q=attn_q, lse=lse):
-                kl = indexer_kl_loss(iq, ik, iw, attn_q, kv[:, :b], counted[:, a:b], attn_lse=lse, scale=scale,
+            counted = indices if part.query_real is None else indices.masked_fill(~part.query_real[..., None], -1)
+
+            def loss_fn(iq, ik, iw, attn_q=attn_q, lse=lse, counted=counted, b=b):
+                kl = indexer_kl_loss(iq, ik, iw, attn_q, kv[:, :b], counted, attn_lse=lse, scale=scale,
                                      relu=cfg.relu, reduction="sum", backend=cfg.backend, check_range=False)
                 return kl / count
 
-            loss.add(a, b, loss_fn)
+            loss.add(index, loss_fn)
+        if keep_indices and indices is not None:
+            if kept is None:
+                kept = torch.full((B, S, min(int(cfg.topk), T)), -1, dtype=torch.int32, device=kv.device)
+            kept[:, a:b, : indices.shape[-1]] = indices
         if index is not None and (a, b) == bounds[-1]:
-            _observe_last_tile(state, index, attn_q, kv, vis, compaction, shape, a, b, scale)
+            _observe_last_tile(state, index, attn_q, kv, part, compaction, (B, b - a, b), scale)
     out = outs.tensor
-    return (out if loss is None else loss.join(out)), indices
+    return (out if loss is None else loss.join(out)), kept
 
 
-def _observe_last_tile(state, index, attn_q, kv, vis: Visibility, compaction, shape, a: int, b: int, scale: float):
+def _observe_last_tile(state, index, attn_q, kv, vis: Visibility, compaction, shape, scale: float):
     """Top-k recall sampling under tiling: the last tile's queries (they see the most keys) against
-    their keys ``:b``. Under a padding mask (compacted selection) no sample is taken, said once."""
+    their keys (``index``, ``vis`` and ``shape``: the tile's). Under a padding mask (compacted selection)
+    no sample is taken, said once."""
     if state.selection_probe is None:
         return
     if compaction is not None:
@@ -388,9 +408,9 @@ def _observe_last_tile(state, index, attn_q, kv, vis: Visibility, compaction, sh
         return
     B, S, T = shape
     iq, ik, iw = index
-    window_start = None if vis.plain else vis.windows(B, S, T, kv.device)[0][:, a:b]
-    observe_selection(state, iq[:, a:b], ik[:, :b], iw[:, a:b], attn_q, kv[:, :b], scale=scale,
-                      relu=state.config.relu, window_start=window_start)
+    window_start = None if vis.plain else vis.windows(B, S, T, kv.device)[0]
+    observe_selection(state, iq, ik, iw, attn_q, kv[:, :T], scale=scale, relu=state.config.relu,
+                      window_start=window_start)
 
 
 def sparse_step(cfg, index, shared: bool, window: int | None) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..state import PatchState
+from ..tiling import tile_bounds
 from ._cp_attention import cp_attention
 from ._dsa_patch import patch_attention, resolve_indexer_options
 from ._dsa_step import MLAAttention, dsa_attention, dsa_attention_tiled, sparse_step, wants_weights
@@ -365,32 +366,49 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
                    prev_topk_indices, kwargs):
     """The patched forward with the query side in tiles of ``tile_tokens`` (``dsa_attention_tiled``).
 
-    Computed whole: the compressed query (the indexer reads it), the latent keys, the indexer and the
-    selection. Per tile, checkpointed: the query heads, RoPE, attention over the keys the tile sees, W_UV
-    and o_proj. The same ops as the untiled forward on each query's rows.
+    Computed whole: the latent keys and the indexer keys. Per tile: the indexer's queries and weights and
+    the tile's selection; then, checkpointed, the compressed query, the query heads, RoPE, attention over
+    the keys the tile sees, W_UV and o_proj. The same ops as the untiled forward on each query's rows; no
+    query-sized tensor of the whole sequence but the layer's output (at 1M tokens of GLM-5's indexer its
+    queries alone are 8 GiB, their KL gradients as much again, the selection 8 GiB).
     """
     B, S, _ = x.shape
-    q_input = family.query_input(self, x)
     latent, k_rot_raw = family.latent_kv(self, x)
     k_rot = family.apply_main_rope(self, k_rot_raw[:, :, None], k_rot_raw, cos, sin)[1]  # keys only
     w_uk, w_uv = _absorb_weights(self)
     attn_k = torch.cat([latent, k_rot.to(latent.dtype)], dim=-1)[:, :, None]  # [B, T, 1, C + R]
     indexer = family.indexer(self)
-    index = None
-    if indexer is not None:
-        index = family.indexer_qkw(indexer, x.detach(), q_input.detach(), cos.detach(), sin.detach(), position_ids)
     window = family.sliding_window(self)
     vis = visibility(attention_mask, position_ids, kwargs, B, S, S, sliding_window=window, device=x.device)
     sinks = family.sinks(self)
+    tile = state.config.tile_tokens
+    # The indexer reads detached inputs (RoPE tables too), as in the untiled forward.
+    x_in, cos_in, sin_in = x.detach(), cos.detach(), sin.detach()
+
+    def index_part(a: int, b: int):
+        """The indexer's (q, k, w) of the tokens a:b; its compressed-query input without a graph."""
+        with torch.no_grad():
+            q_input = family.query_input(self, x_in[:, a:b])
+        pos = None if position_ids is None else position_ids[:, a:b]
+        return family.indexer_qkw(indexer, x_in[:, a:b], q_input, cos_in[:, a:b], sin_in[:, a:b], pos)
+
+    index_keys = index_queries = None
+    if indexer is not None:
+        index_keys = torch.cat([index_part(a, b)[1] for a, b in tile_bounds(S, tile)], dim=1)  # [B, T, D]
+
+        def index_queries(a: int, b: int):
+            q, _, w = index_part(a, b)
+            return q, w
 
     # The whole-T tensors a tile reads go in as checkpoint inputs, not through the closure: the closure
     # would keep them alive from the layer's forward to its backward, while inputs are saved like any
     # other tensor, which the layer's own checkpoint drops until its recompute.
-    tile_inputs = (x, q_input, k_rot_raw, cos, sin, attn_k)
+    tile_inputs = (x, k_rot_raw, cos, sin, attn_k)
 
     def query_tile(a: int, b: int, selected: bool):
-        def run(attended, x, q_input, k_rot_raw, cos, sin, attn_k):
-            q_nope, q_rot, gate = family.query_heads(self, x[:, a:b], q_input[:, a:b])
+        def run(attended, x, k_rot_raw, cos, sin, attn_k):
+            q_input = family.query_input(self, x[:, a:b])
+            q_nope, q_rot, gate = family.query_heads(self, x[:, a:b], q_input)
             q_rot = family.apply_main_rope(self, q_rot, k_rot_raw[:, a:b], cos[:, a:b], sin[:, a:b])[0]
             pos = None if position_ids is None else position_ids[:, a:b]
             q_nope, q_rot = family.scale_query(self, q_nope, q_rot, pos)
@@ -405,9 +423,9 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
         return run
 
     attn_output, topk_indices = dsa_attention_tiled(
-        query_tile, tile_inputs, attn_k, state, vis, (B, S, S), index=index, shared=family.is_shared_layer(self),
-        prev_indices=prev_topk_indices, window=window, training=self.training, scale=self.scaling,
-        tile=state.config.tile_tokens,
+        query_tile, tile_inputs, attn_k, state, vis, (B, S, S), index_keys=index_keys, index_queries=index_queries,
+        shared=family.is_shared_layer(self), prev_indices=prev_topk_indices, window=window, training=self.training,
+        scale=self.scaling, tile=tile, keep_indices=family.returns_indices,
     )
     if family.returns_indices:
         return attn_output, None, topk_indices

@@ -162,7 +162,7 @@ def _latest_start(parts: list[torch.Tensor], B: int, S: int, device) -> torch.Te
 
 def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: int, keys: int, *,
                sliding_window: int | None = None, query_offset: torch.Tensor | None = None,
-               segment_start: torch.Tensor | None = None, device=None) -> Visibility:
+               device=None) -> Visibility:
     """The visibility of ``queries`` queries over the ``keys`` keys a layer attends over (the last of
     them is the last query's own key).
 
@@ -173,8 +173,6 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         kwargs: the layer's keyword arguments (``cu_seq_lens_q`` / ``cu_seq_lens_k`` are read).
         sliding_window: ``W`` of a sliding-window layer (keys ``pos - W < s <= pos``), else None.
         query_offset: a static cache's slot of the first query (0-dim tensor), else None.
-        segment_start: int64 ``[B, S]`` first key of each query's packed sequence, from a caller that
-            knows the whole sequence (context parallelism: this call sees a chunk of it), else None.
     """
     B, S, T = batch, queries, keys
     parts = []  # window starts, [B] or [B, S]
@@ -203,11 +201,28 @@ def visibility(attention_mask, position_ids, kwargs: dict, batch: int, queries: 
         seg = _segment_starts(position_ids.to(device), B, S)
         if seg is not None and _holds_resets(position_ids, seg):
             parts.append(seg)
-    if segment_start is not None:
-        parts.append(segment_start)
     if sliding_window is not None:
         parts.append((qpos - int(sliding_window) + 1).clamp_min(0).expand(B, S))
     return Visibility(cu_seqlens, _latest_start(parts, B, S, device), key_mask, query_real, query_pos)
+
+
+def query_part(vis: Visibility, a: int, b: int, batch: int, device) -> Visibility:
+    """The visibility of queries ``a:b`` of a call whose queries are all its keys (``S == T``: a training
+    forward), over the keys ``:b`` they can see: a part that is itself such a call's tail (its queries the
+    last of its keys), the shape the ops take. Tiles (``tile_tokens``) and context-parallel chunks run
+    their parts with it."""
+    if vis.query_pos is not None:
+        raise ValueError("query_part cuts the visibility of a training forward (queries = keys), not a cache's")
+    parts = []
+    if vis.cu_seqlens is not None:  # packed: each query's sequence start, as a window start
+        cu = vis.cu_seqlens.to(device=device, dtype=torch.int64)
+        pos = torch.arange(a, b, device=device)
+        parts.append(cu[torch.searchsorted(cu[1:], pos, right=True)].expand(batch, b - a))
+    if vis.window_start is not None:
+        parts.append(vis.window_start if vis.window_start.dim() == 1 else vis.window_start[:, a:b])
+    return Visibility(None, _latest_start(parts, batch, b - a, device),
+                      None if vis.key_mask is None else vis.key_mask[:, :b],
+                      None if vis.query_real is None else vis.query_real[:, a:b])
 
 
 def window_indices(vis: Visibility, window: int, batch: int, queries: int, keys: int, device) -> torch.Tensor:
