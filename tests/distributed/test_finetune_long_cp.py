@@ -1,9 +1,9 @@
 """scripts/finetune_long.py --tiny --cp_size 2 under accelerate on 2 CPU processes (gloo), against one process.
 
-Each sequence of the context-parallel run is split over the two processes (hyscale_hf.enable_context_parallel);
-both runs read the same blocks in the same order, so the logged per-step LM and indexer losses (dense
+Each sequence of the context-parallel run is split over the two processes (hyscale_hf.enable_context_parallel),
+under plain DDP and under FSDP2; the runs read the same blocks in the same order, so the logged per-step LM and indexer losses (dense
 pre-training, dense warm-up, sparse) must agree (fp32, 2e-3 relative; summation order aside they are the
-same computation). ~20 s on a 2-core machine.
+same computation). ~40 s on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.distributed.test_fsdp2_cpu import CPU_CONFIG as FSDP_CONFIG
 from tests.distributed.test_fsdp2_cpu import ROOT, TIMEOUT_S, _env, _run
 
 SCRIPT = ROOT / "scripts" / "finetune_long.py"
@@ -23,21 +24,38 @@ def _log(out) -> list[dict]:
     return [e for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_finetune_long_tiny_with_cp_size_2_matches_one_process(tmp_path):
-    single, cp = tmp_path / "single", tmp_path / "cp2"
-    common = ["--tiny", "--no_progress"]
-    _run([sys.executable, str(SCRIPT), *common, "--output_dir", str(single)], _env(False), TIMEOUT_S)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CP_CONFIG), "--num_processes", "2"]
-    _run([*launch, str(SCRIPT), *common, "--cp_size", "2", "--output_dir", str(cp)], _env(False), TIMEOUT_S)
+COMMON = ["--tiny", "--no_progress"]
 
-    one, two = _log(single), _log(cp)
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp") / "single"
+    _run([sys.executable, str(SCRIPT), *COMMON, "--output_dir", str(out)], _env(False), TIMEOUT_S)
+    return _log(out)
+
+
+def _assert_same_steps(one: list[dict], two: list[dict]) -> None:
     assert [e["step"] for e in one] == [e["step"] for e in two] and len(one) >= 4
     assert [e["hyscale_stage"] for e in one] == [e["hyscale_stage"] for e in two] == sorted(e["hyscale_stage"] for e in one)
     assert {e["hyscale_stage"] for e in one} == {0, 1, 2}  # dense pre-training, warm-up and sparse steps all ran
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), a["step"]
         assert b["indexer_loss"] == pytest.approx(a["indexer_loss"], rel=2e-3), a["step"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_finetune_long_tiny_with_cp_size_2_matches_one_process(single, tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CP_CONFIG), "--num_processes", "2"]
+    _run([*launch, str(SCRIPT), *COMMON, "--cp_size", "2", "--output_dir", str(tmp_path)], _env(False), TIMEOUT_S)
+    _assert_same_steps(single, _log(tmp_path))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_finetune_long_tiny_under_fsdp2_with_cp_size_2_matches_one_process(single, tmp_path):
+    """FSDP2 shards the model over both processes while context parallelism splits each sequence over them."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG)]
+    _run([*launch, str(SCRIPT), *COMMON, "--cp_size", "2", "--output_dir", str(tmp_path)], _env(True), TIMEOUT_S)
+    _assert_same_steps(single, _log(tmp_path))
 
 
 def test_cp_size_must_divide_the_processes_and_the_length(tmp_path):
