@@ -1,9 +1,9 @@
 """scripts/finetune_long.py --tiny --cp_size 2 under accelerate on 2 CPU processes (gloo), against one process.
 
 Each sequence of the context-parallel run is split over the two processes (hyscale_hf.enable_context_parallel),
-under plain DDP and under FSDP2; the runs read the same blocks in the same order, so the logged per-step LM and indexer losses (dense
-pre-training, dense warm-up, sparse) must agree (fp32, 2e-3 relative; summation order aside they are the
-same computation). ~40 s on a 2-core machine.
+under plain DDP and under FSDP2; the runs read the same blocks in the same order, so the logged per-step
+LM and indexer losses (dense pre-training, dense warm-up, sparse) must agree (fp32, 2e-3 relative;
+summation order aside they are the same computation). ~40 s on a 2-core machine.
 """
 
 from __future__ import annotations
