@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S
-# (seconds). Stages e2e_smollm2, long, profile and cp are not in the default set (name them). The cp stage needs
+# (seconds). Stages e2e_smollm2, long, memory, profile and cp are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -59,12 +59,12 @@ for s in $stages; do
     e2e_smollm2)  # the converted dense model (SmolLM2-shaped Llama, 30 layers), dense against hyscale
       stage bench_e2e_smollm2 "${E2E_S:-560}" python3 scripts/bench_e2e.py --stack smollm2 --arms hyscale dense \
         --seqlens 32768 131072 --reps 2 --search-arms --out "$RES/smollm2" ${E2E_SMOLLM2_ARGS:-} ;;
-    long)  # long context: tiled + offload against hyscale at 128K, the tiled arm's search to 1M tokens, and
-           # where one 256K step's peak memory is (memory_by_phase.py)
+    long)  # long context: tiled + offload against hyscale at 128K, and the tiled arm's search to 1M tokens
       stage bench_long "${E2E_S:-560}" python3 scripts/bench_e2e.py --arms hyscale tiled_offload --seqlens 131072 \
-        --reps 2 --loss-chunk 16384 --search-arms tiled_offload --out "$RES/long" ${LONG_ARGS:-}
-      stage memory_by_phase "${MEMORY_S:-200}" python3 scripts/memory_by_phase.py --arm tiled_offload --seqlen 262144 \
-        --out "$RES/long" ${MEMORY_ARGS:-} ;;
+        --reps 2 --loss-chunk 16384 --search-arms tiled_offload --out "$RES/long" ${LONG_ARGS:-} ;;
+    memory)  # where a 1M-token step's memory goes, down to the attention's projections (memory_by_phase.py)
+      stage memory_by_phase "${MEMORY_S:-500}" python3 scripts/memory_by_phase.py --arm tiled_offload --seqlen 1048576 \
+        --detail --out "$RES/memory" ${MEMORY_ARGS:-} ;;
     profile)  # kernel time by category of one step: glm5 hyscale at 64K and 128K, smollm2 hyscale and dense at 32K
       stage profile_glm5 "${PROFILE_S:-300}" python3 scripts/profile_step.py --out "$RES/profile_glm5" ${PROFILE_ARGS:-}
       for arm in hyscale dense; do
