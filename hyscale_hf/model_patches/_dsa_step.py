@@ -98,7 +98,7 @@ class GQAAttention:
 
     def attend_selected(self, indices: torch.Tensor, backend: str):
         return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend,
-                                check_range=False)  # the step's own selections (see dsa_attention)
+                                check_range=False, unique_indices=True)  # the step's own selections (dsa_attention)
 
     attend_window = attend_selected
 
@@ -169,7 +169,7 @@ class MLAAttention:
     def attend_window(self, indices: torch.Tensor, backend: str):
         self.attn_q = absorbed_query(self.q_nope, self.q_rot, self.w_uk)  # through plain autograd
         o, lse = sparse_attention(self.attn_q, self.kv, self.kv[..., : self.value_dim], indices, scale=self.scale,
-                                  return_lse=True, backend=backend, check_range=False)
+                                  return_lse=True, backend=backend, check_range=False, unique_indices=True)
         return self._with_sinks(o, lse, backend)
 
     def attend_all(self, vis: Visibility, backend: str):
@@ -280,8 +280,9 @@ def dsa_attention(
         otherwise); probabilities fp32 ``[B, H, S, T]`` when ``weights``, else None.
 
     The selections the step attends over are its own (``hytopk``'s, a source layer's, a window built
-    here), in range by construction, so the ops skip their range check (``check_range=False``): it
-    reads the indices on the host, a GPU sync per op and layer.
+    here), in range and without repeats by construction, so the ops skip their range check
+    (``check_range=False``) and the GQA tiles' repeat check (``unique_indices=True``): each reads the
+    indices on the host, a GPU sync per op and layer.
     """
     cfg = state.config
     B, S, T = attention.shape

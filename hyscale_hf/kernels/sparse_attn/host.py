@@ -248,7 +248,7 @@ class KeyLists(NamedTuple):
     tile_q: int  # queries per tile; 0 = one program per token
 
 
-def union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int):
+def union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool = False):
     """Query tiles of ``tile_q`` consecutive queries: sorted union of their keys + membership bits.
 
     Neighbouring queries share most of their selection (local window, sinks, popular far keys), so
@@ -258,7 +258,7 @@ def union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int):
     ``naive.tile_unions_reference``). Returns None when a query lists one key twice (a bit
     cannot count it; the per-token path can).
     """
-    lists = tile_unions(indices, tile_q, num_keys)
+    lists = tile_unions(indices, tile_q, num_keys, unique=unique)
     return None if lists is None else KeyLists(*lists, tile_q)
 
 
@@ -275,20 +275,22 @@ def token_lists(indices: torch.Tensor) -> KeyLists:
 
 
 def key_lists(
-    indices: torch.Tensor, num_keys: int, group: int, wide: bool, config: SparseAttentionConfig | None = None
+    indices: torch.Tensor, num_keys: int, group: int, wide: bool, config: SparseAttentionConfig | None = None,
+    unique: bool = False,
 ) -> KeyLists:
     """Query tiles (union key lists) where a tile holds >= 2 queries, else per-token index rows."""
     rows = resolve_config(config).tile_rows
     tile_q = rows // group if rows and not wide else 0
     if tile_q >= 2:
-        lists = union_tiles(indices, tile_q, num_keys)
+        lists = union_tiles(indices, tile_q, num_keys, unique=unique)
         if lists is not None:
             return lists
     return token_lists(indices)
 
 
-def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttentionConfig):
-    """Returns o, lse and the key lists (saved for the backward)."""
+def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttentionConfig, unique: bool = False):
+    """Returns o, lse and the key lists (saved for the backward). ``unique``: no query lists a key twice
+    (``tile_unions``)."""
     B, S, Hq, Dqk = q.shape
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = Hq // Hkv
@@ -296,7 +298,7 @@ def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttention
     v_from_k = v_is_k_prefix(k, v) and Dv == d1
     o = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
-    lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config)
+    lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config, unique=unique)
     if S == 0:
         return o, lse, lists
     run = lists

@@ -39,8 +39,8 @@ from .naive import sparse_attention_reference
 
 class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic, config):
-        o, lse, lists = sparse_attention_fwd(q, k, v, indices, scale, config)
+    def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic, config, unique):
+        o, lse, lists = sparse_attention_fwd(q, k, v, indices, scale, config, unique=unique)
         ctx.save_for_backward(q, k, v, lists.idx, lists.num, lists.bits, o, lse)
         ctx.tile_q, ctx.scale, ctx.merge_dv, ctx.deterministic = lists.tile_q, scale, merge_dv, deterministic
         ctx.config = config
@@ -56,14 +56,15 @@ class _SparseAttentionFn(torch.autograd.Function):
         dq, dk, dv = sparse_attention_bwd(
             q, k, v, lists, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic, ctx.config
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False, config=None):
+def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False, config=None, unique: bool = False):
     """Differentiable Triton sparse attention: (o [B, S, Hq, Dv] in q's dtype, lse [B, S, Hq] fp32)."""
     merge_dv = v_grad_flows_into_k(k, v)
     return _SparseAttentionFn.apply(
-        q, k, v, indices.contiguous(), float(scale), merge_dv, bool(deterministic), resolve_config(config)
+        q, k, v, indices.contiguous(), float(scale), merge_dv, bool(deterministic), resolve_config(config),
+        bool(unique),
     )
 
 
@@ -84,6 +85,7 @@ def sparse_attention(
     deterministic: bool | None = None,
     config: SparseAttentionConfig | None = None,
     check_range: bool = True,
+    unique_indices: bool = False,
 ):
     """``o[b, i, h] = sum_{s in S_i} softmax_s(scale * q[b, i, h] . k[b, s, g(h)]) v[b, s, g(h)]``.
 
@@ -117,6 +119,9 @@ def sparse_attention(
         check_range: read the indices' range and raise on entries outside ``[-1, T)`` (one host
             sync). ``False`` only for indices known to be in range, such as ``hytopk``'s: patched
             models pass it, so a training step does not wait on the GPU once per layer for it.
+        unique_indices: the caller guarantees that no query lists a key twice (``hytopk``'s
+            selections, windows). The Triton path's GQA query tiles then skip their repeat check,
+            another host sync per call; a repeated key would then count once, not twice.
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
@@ -152,6 +157,8 @@ def sparse_attention(
         raise ValueError(f"v must have Dv >= 1 dims per head (shape {vdoc}), got shape {tuple(v.shape)}")
     check_same_device(q=q, k=k, v=v, indices=indices)
     check_indices(indices, B, S, T, check_range=check_range)
+    if not isinstance(unique_indices, bool):
+        raise TypeError(f"unique_indices must be a bool, got {type(unique_indices).__name__}")
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
     if scale is None:
@@ -173,10 +180,12 @@ def sparse_attention(
         # to a logit, zero columns of v give output columns that are sliced off.
         dqk_p, dv_p = padded_head_dims(Dqk, Dv)
         if (dqk_p, dv_p) == (Dqk, Dv):
-            o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config)
+            o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config,
+                                             unique=unique_indices)
         else:
             q_p, k_p, v_p = _pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p)
-            o, lse = triton_sparse_attention(q_p, k_p, v_p, indices, scale, deterministic=deterministic, config=config)
+            o, lse = triton_sparse_attention(q_p, k_p, v_p, indices, scale, deterministic=deterministic, config=config,
+                                             unique=unique_indices)
             if dv_p != Dv:
                 o = o[..., :Dv].contiguous()  # a tensor of its own, like the unpadded path's
     elif masked_dense_fits(q, k, v, indices):  # short key ranges: matmuls over all keys beat per-query gathers

@@ -18,7 +18,8 @@ forward+backward then. Keys are integers below T, so a per-tile presence bitmap 
    ``rank[w] + popc(word & below(b))``: ascending order, as the sort gave.
 5. ``_tile_bits_kernel``: each entry finds its slot the same way and ORs its bit into its query's
    row of ``bits``. The atomic returns the old word: if the bit was already set, the query listed
-   the key twice (a bit cannot count it twice), and the host returns None.
+   the key twice (a bit cannot count it twice), and the host returns None (a second sync, skipped
+   when the caller vouches that the selections are unique: ``unique=True``).
 
 Scratch (bitmap + ranks) is ``tiles * T / 4`` bytes, 8 GiB for all tiles at 1M tokens, so tiles go
 in chunks of at most ``SCRATCH_BYTES``. ``max_u`` is known only after every tile is counted; with
@@ -138,8 +139,12 @@ def _tile_bits_kernel(
     tl.atomic_or(DUP + tl.zeros_like(bit), 1, mask=dup, sem="relaxed")  # no atomic without a repeat
 
 
-def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int):
+def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool = False):
     """Triton build of the query tiles' key lists: ``(union, num, bits)`` or None on a repeated key.
+
+    ``unique=True``: the caller guarantees that no query lists a key twice (HyTopK's selections), so
+    the repeat check and its host read (one GPU sync per call) are skipped; a repeat would then be
+    counted once.
 
     indices int32 [B, S, K] (-1 = empty); tiles of ``tile_q`` consecutive queries, n = cdiv(S, tile_q).
     Returns union int32 [B, n, max_u] (ascending keys, -1 padded; max_u >= 1), num int32 [B, n] and
@@ -180,7 +185,7 @@ def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int):
     words = 4 * triton.cdiv(max_u, 128)  # whole 128-slot groups, as in the reference
     union = torch.full((P, max_u), -1, dtype=torch.int32, device=dev)
     bits = torch.zeros(P * tile_q, words, dtype=torch.int32, device=dev)
-    dup = torch.zeros(1, dtype=torch.int32, device=dev)
+    dup = torch.zeros(1, dtype=torch.int32, device=dev)  # written by the bits kernel; read only without ``unique``
     for p0, p1 in chunks:
         if len(chunks) > 1:  # the scratch holds the last chunk only: count this one again
             count(p0, p1)
@@ -189,6 +194,6 @@ def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int):
             _tile_bits_kernel[((p1 - p0) * n_eblocks,)](
                 idx, bitmap, rank, bits, dup, p0, *shape, words, BLOCK_E=block_e
             )  # fmt: skip
-    if P and int(dup.item()):
+    if P and not unique and int(dup.item()):
         return None
     return union.view(B, n_tiles, max_u), num.view(B, n_tiles), bits

@@ -97,3 +97,17 @@ def test_repeated_key_returns_none(chunked, monkeypatch):
     idx[1, 9, 9] = -1
     idx[1, 8, 3] = 42  # the same key in two queries of one tile is fine
     assert_same(idx, 4, 90)
+
+
+def test_unique_selections_skip_the_repeat_check_with_the_same_lists(monkeypatch):
+    """``unique=True`` (the caller vouches for no repeats): the same tensors, and the repeat flag is never
+    read on the host."""
+    idx = random_indices(2, 13, 203, 24, seed=11)
+    want = tu.tile_unions(idx, 4, 203)
+    reads = []
+    original = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t.shape) or original(t))
+    got = tu.tile_unions(idx, 4, 203, unique=True)
+    assert reads == []  # num.max() goes through int(), the repeat flag through .item()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -240,3 +240,19 @@ def test_wide_unions_run_the_per_token_forward_and_the_tiled_backward(monkeypatc
     q, k, v, _ = make(B=1, S=20, T=40, Hq=8, Hkv=2, Dqk=32, Dv=16, K=12)
     idx = distinct_indices(1, 20, 40, 12)
     assert_matches_reference(q, k, v, idx, deterministic=False)
+
+
+def test_unique_indices_keep_the_query_tiles_and_the_results(monkeypatch):
+    """``unique_indices=True`` on selections without repeats: the same query tiles and results, the repeat
+    check's host read skipped (``tile_unions``); a non-bool is refused."""
+    over = SparseAttentionConfig(fwd_tiled={"BLOCK_N": 32}, bwd_tiled={"BLOCK_N": 32}, tile_rows=16)
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", over)
+    q, k, v, _ = make(B=1, S=20, T=40, Hq=8, Hkv=2, Dqk=32, Dv=16, K=12)
+    idx = distinct_indices(1, 20, 40, 12)
+    assert host.key_lists(idx, 40, 4, wide=False, unique=True).tile_q == 4
+    want = sparse_attention(q, k, v, idx, return_lse=True, backend="triton")
+    got = sparse_attention(q, k, v, idx, return_lse=True, backend="triton", unique_indices=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="unique_indices must be a bool"):
+        sparse_attention(q, k, v, idx, unique_indices=1)
