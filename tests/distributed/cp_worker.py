@@ -171,13 +171,15 @@ def saved_bytes_per_rank() -> dict:
 
 def positional_call() -> tuple:
     """The LM loss of a model with the chunked LM loss (an instance forward taking ``*args``) called with
-    ``input_ids`` by position and by keyword."""
+    ``input_ids`` by position, by keyword, and with their embeddings as ``inputs_embeds``."""
     model, options = _model("llama")
     model = hyscale_hf.patch_model(model, lm_loss_chunk=8, **options)
     hyscale_hf.enable_context_parallel(model)
     ids = torch.randint(3, 128, (1, LENGTH), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        return model(ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+        embeds = model.get_input_embeddings()(ids)
+        return (model(ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss,
+                model(inputs_embeds=embeds, labels=ids).loss)
 
 
 def bad_inputs() -> dict:

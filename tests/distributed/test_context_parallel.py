@@ -108,11 +108,12 @@ def test_memory_per_rank_is_a_share_plus_the_gathered_keys(ranks):
         assert m["rank"] >= 0.98 * m["single"] / world, (rank, m)
 
 
-def test_input_ids_by_position_are_sharded_too(ranks):
+def test_input_ids_by_position_and_inputs_embeds_are_sharded_too(ranks):
     _, results = ranks
     for result in results:
-        by_position, by_keyword = result["positional"]
+        by_position, by_keyword, by_embeds = result["positional"]
         assert torch.equal(by_position, by_keyword)
+        torch.testing.assert_close(by_embeds, by_keyword, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_inputs_are_refused_with_the_reason(ranks):
