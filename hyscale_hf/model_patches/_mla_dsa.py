@@ -20,7 +20,6 @@ import torch
 
 from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..state import PatchState
-from ..tiling import tile_bounds
 from ._cp_attention import cp_attention
 from ._dsa_patch import patch_attention, resolve_indexer_options
 from ._dsa_step import MLAAttention, dsa_attention, dsa_attention_tiled, sparse_step, wants_weights
@@ -144,13 +143,25 @@ class MLADSAFamily:
         q = self.indexer_query(indexer, x, q_input, position_ids)
         k = self.indexer_key(indexer, x)[:, :, None]
         if self.indexer_uses_rope(indexer):
-            r, d = indexer.qk_rope_head_dim, indexer.head_dim
-            sizes = [r, d - r] if self.indexer_rope_first else [d - r, r]
-            q_parts, k_parts = list(torch.split(q, sizes, dim=-1)), list(torch.split(k, sizes, dim=-1))
-            i = 0 if self.indexer_rope_first else 1
-            q_parts[i], k_parts[i] = self.indexer_rope(q_parts[i], k_parts[i], cos, sin, unsqueeze_dim=2)
-            q, k = torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
+            q, k = self._indexer_rope(indexer, q, k, cos, sin)
         return q, k[:, :, 0], self.indexer_weights(indexer, x)
+
+    def indexer_keys(self, indexer, x, cos, sin) -> torch.Tensor:
+        """The indexer keys ``[B, S, D]`` of ``indexer_qkw`` alone (the tiled forward takes them whole and
+        the queries a tile at a time). RoPE acts on a query and a key alike, so the key goes in as both."""
+        k = self.indexer_key(indexer, x)[:, :, None]
+        if self.indexer_uses_rope(indexer):
+            k = self._indexer_rope(indexer, k, k, cos, sin)[1]
+        return k[:, :, 0]
+
+    def _indexer_rope(self, indexer, q, k, cos, sin):
+        """``(q, k)`` with the family's indexer RoPE on its rotated dims (the first or last ``qk_rope_head_dim``)."""
+        r, d = indexer.qk_rope_head_dim, indexer.head_dim
+        sizes = [r, d - r] if self.indexer_rope_first else [d - r, r]
+        q_parts, k_parts = list(torch.split(q, sizes, dim=-1)), list(torch.split(k, sizes, dim=-1))
+        i = 0 if self.indexer_rope_first else 1
+        q_parts[i], k_parts[i] = self.indexer_rope(q_parts[i], k_parts[i], cos, sin, unsqueeze_dim=2)
+        return torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
 
 
 # ----------------------------------------------------------------------------- caches
@@ -386,7 +397,7 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
     x_in, cos_in, sin_in = x.detach(), cos.detach(), sin.detach()
 
     def index_part(a: int, b: int):
-        """The indexer's (q, k, w) of the tokens a:b; its compressed-query input without a graph."""
+        """The indexer's (q, k, w) of the tokens a:b (its compressed-query input computed without a graph)."""
         with torch.no_grad():
             q_input = family.query_input(self, x_in[:, a:b])
         pos = None if position_ids is None else position_ids[:, a:b]
@@ -394,7 +405,7 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
 
     index_keys = index_queries = None
     if indexer is not None:
-        index_keys = torch.cat([index_part(a, b)[1] for a, b in tile_bounds(S, tile)], dim=1)  # [B, T, D]
+        index_keys = family.indexer_keys(indexer, x_in, cos_in, sin_in)  # [B, T, D]: small, taken whole
 
         def index_queries(a: int, b: int):
             q, _, w = index_part(a, b)
