@@ -18,6 +18,7 @@ import hyscale_hf
 from tests.distributed import cp_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+slow = pytest.mark.slow  # the spawned ranks: ~20 s per world size on 2 cores
 
 
 def _spawn(world: int, tmp_path) -> list[dict]:
@@ -38,6 +39,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
 
 
+@slow
 def test_losses_and_gradients_equal_one_process(ranks):
     world, results = ranks
     for case in cp_worker.CASES[world]:
@@ -62,6 +64,7 @@ def _per_layer(records: list, parts: int) -> list:
     return layers
 
 
+@slow
 def test_every_rank_selects_what_one_process_selects(ranks):
     world, results = ranks
     for case in cp_worker.CASES[world]:
@@ -84,6 +87,7 @@ def test_every_rank_selects_what_one_process_selects(ranks):
                     assert (ref[:, start:end, K:] == -1).all(), (case, rank, layer, c)
 
 
+@slow
 def test_fsdp2_on_a_2d_mesh_equals_one_process(ranks):
     world, results = ranks
     if world != 4:
@@ -96,6 +100,7 @@ def test_fsdp2_on_a_2d_mesh_equals_one_process(ranks):
         _close(g, grads[name], what=f"grad {name}")
 
 
+@slow
 def test_memory_per_rank_is_a_share_plus_the_gathered_keys(ranks):
     """What a rank saves for backward: the one-process bytes over N (per-token activations, and the
     selections and attention blocks of its queries), plus the gathered keys, which are whole-sequence."""
@@ -108,6 +113,7 @@ def test_memory_per_rank_is_a_share_plus_the_gathered_keys(ranks):
         assert m["rank"] >= 0.98 * m["single"] / world, (rank, m)
 
 
+@slow
 def test_input_ids_by_position_and_inputs_embeds_are_sharded_too(ranks):
     _, results = ranks
     for result in results:
@@ -116,6 +122,7 @@ def test_input_ids_by_position_and_inputs_embeds_are_sharded_too(ranks):
         torch.testing.assert_close(by_embeds, by_keyword, rtol=1e-6, atol=1e-6)
 
 
+@slow
 def test_bad_inputs_are_refused_with_the_reason(ranks):
     world, results = ranks
     for rank, result in enumerate(results):

@@ -43,6 +43,7 @@ def _assert_same_steps(one: list[dict], two: list[dict]) -> None:
         assert b["indexer_loss"] == pytest.approx(a["indexer_loss"], rel=2e-3), a["step"]
 
 
+@pytest.mark.slow  # two accelerate launches and a one-process run: ~40 s on 2 cores together with the next
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_finetune_long_tiny_with_cp_size_2_matches_one_process(single, tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CP_CONFIG), "--num_processes", "2"]
@@ -50,6 +51,7 @@ def test_finetune_long_tiny_with_cp_size_2_matches_one_process(single, tmp_path)
     _assert_same_steps(single, _log(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_finetune_long_tiny_under_fsdp2_with_cp_size_2_matches_one_process(single, tmp_path):
     """FSDP2 shards the model over both processes while context parallelism splits each sequence over them."""

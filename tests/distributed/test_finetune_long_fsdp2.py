@@ -27,6 +27,7 @@ def _log(out) -> list[dict]:
     return [entry for entry in history if "loss" in entry]
 
 
+@pytest.mark.slow  # an FSDP2 launch and a one-process run: ~30 s on 2 cores
 @pytest.mark.skipif(not SCRIPT.exists(), reason="scripts/finetune_long.py is not on this branch")
 def test_finetune_long_tiny_under_fsdp2_matches_one_process(tmp_path):
     single, fsdp = tmp_path / "single", tmp_path / "fsdp2"

@@ -99,6 +99,7 @@ def _phase(phase: str) -> str:
     return phase
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", EXPECT)
 def test_fsdp2_losses_match_one_process(runs, phase):
     one, two = (_result(p / _phase(phase)) for p in runs)
@@ -119,6 +120,7 @@ def test_fsdp2_losses_match_one_process(runs, phase):
         assert not any(".indexer.original_module." in n or n.endswith("q_proj.base_layer.weight") for n in trainable)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", EXPECT)
 def test_fsdp2_replays_selection(runs, phase):
     _, full, shared, _ = EXPECT[_phase(phase)]
@@ -152,6 +154,7 @@ def _reload(checkpoint: Path, dense: bool = True):
     return _logits(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["full", "glm5"])
 def test_fsdp2_full_checkpoint_loads_into_one_process(runs, phase):
     fsdp = runs[1] / _phase(phase)
@@ -159,6 +162,7 @@ def test_fsdp2_full_checkpoint_loads_into_one_process(runs, phase):
     torch.testing.assert_close(_reload(fsdp / "final", dense=phase == "full"), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_merges_and_loads(runs, tmp_path):
     from accelerate.utils import merge_fsdp_weights
 
@@ -171,6 +175,7 @@ def test_fsdp2_sharded_checkpoint_merges_and_loads(runs, tmp_path):
     torch.testing.assert_close(_reload(tmp_path), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp2_lora_adapter_loads_into_one_process(runs):
     """The adapter saved under FSDP2 (LoRA + the trained indexers) on a freshly patched base model."""
     from peft import PeftModel
