@@ -1,17 +1,21 @@
 """Sequence tiling: token-wise work in tiles of ``HyScaleConfig.tile_tokens`` (docs/design.md section 11).
 
-A token-wise function (an MLP, a query projection) keeps activations for backward in proportion to the
-tokens it sees. Run over tiles, each tile under non-reentrant ``torch.utils.checkpoint``, it keeps only
-each tile's inputs; a tile's activations exist while that tile runs forward or backward. Weight
-gradients add up over the tiles through autograd as usual (no hand-written accumulation, so FSDP2 and
-PEFT see ordinary parameter use). Inside a checkpointed decoder layer the tiles nest in the layer's
-checkpoint: the layer's recompute runs each tile's forward once more, with nothing kept but its inputs,
-and the tile's own recompute runs in backward. That extra forward of the tiled work is the price.
+A token-wise function (an MLP, a norm) keeps activations for backward in proportion to the tokens it
+sees. Two ways of tiling live here:
+
+- ``tiled_tokens`` (one input, one output, known trainable tensors: the MLPs and norms): the tiles run
+  forward without a graph, only the input is kept, and backward runs each tile again to take its
+  gradients. Inside a checkpointed decoder layer whose last module is the tiled one (the MLP), the
+  layer's recompute stops before it, so its tiles run twice per step, as untiled work does.
+- ``run_tile`` + ``TileOutput`` (the attention's query tiles: several inputs and outputs): each tile
+  under its own non-reentrant ``torch.utils.checkpoint``, keeping its inputs; weight gradients add up
+  through autograd. Inside a checkpointed layer the layer's recompute runs each tile's forward once
+  more (its output feeds the rest of the layer), so those tiles run three times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,25 +35,134 @@ def run_tile(fn: Callable, *args):
     return fn(*args)
 
 
-def tiled_tokens(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int | None, dim: int = 1):
+def tiled_tokens(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    tile: int | None,
+    dim: int = 1,
+    params: Callable[[], Sequence[torch.Tensor]] = tuple,
+):
     """``fn(x)`` for a token-wise ``fn``, computed ``tile`` tokens at a time along ``dim``.
 
     Equal to ``fn(x)`` (bit for bit where ``fn``'s kernels do not depend on the number of rows). ``x``
     with at most ``tile`` tokens, or ``tile=None``, runs ``fn(x)`` as it is. ``fn`` must return one
-    tensor with the token dimension at ``dim``.
+    tensor with the token dimension at ``dim``. ``params()`` lists every tensor ``fn`` reads that may
+    need a gradient (a module's ``parameters``); it is called again in backward, where the tensors may be
+    other objects of the same shapes (FSDP2 unshards into its own). A leaf that needs a gradient and is
+    not listed is an error in backward, not a gradient silently left out.
+
+    Under autograd only ``x`` is kept (through ``_KeepInput``); the tiles run forward without a graph, and
+    backward runs each tile again with one and takes its gradients (``_TiledTokens``).
     """
     n = x.shape[dim]
     if tile is None or n <= tile:
         return fn(x)
-    out = TileOutput(n, dim)
-    for a, b in tile_bounds(n, tile):
-        y = run_tile(fn, x.narrow(dim, a, b - a).contiguous())  # a copy only for batch > 1 (modules view it flat)
+    bounds = tile_bounds(n, tile)
+    grads_for = tuple(p for p in params() if p.requires_grad) if torch.is_grad_enabled() else ()
+    if not (torch.is_grad_enabled() and (x.requires_grad or grads_for)):
+        return _forward_tiles(fn, x, bounds, dim)
+    source = None
+    if x.requires_grad:
+        x = _KeepInput.apply(x)
+        source = x.grad_fn
+    return _TiledTokens.apply(fn, params, bounds, dim, source, x, *grads_for)
+
+
+def _forward_tiles(fn, x: torch.Tensor, bounds, dim: int) -> torch.Tensor:
+    """``fn`` over the tiles of ``x``, written into one output (no concatenation: that would hold every
+    tile and the whole output at once)."""
+    out = None
+    for a, b in bounds:
+        y = fn(x.narrow(dim, a, b - a).contiguous())  # a copy only for batch > 1 (modules view the rows flat)
         if not isinstance(y, torch.Tensor):
             raise TypeError(
                 f"tile_tokens tiles token-wise modules that return one tensor; {fn!r} returned {type(y).__name__}"
             )
-        out.put(a, b, y)
-    return out.tensor
+        if out is None:
+            shape = list(y.shape)
+            shape[dim] = x.shape[dim]
+            out = y.new_empty(shape)
+        out.narrow(dim, a, b - a).copy_(y)
+        del y
+    return out
+
+
+class _KeepInput(torch.autograd.Function):
+    """The identity, saving its input: the one tensor a tiled function keeps for backward.
+
+    Saving it here, before the tiles run, rather than in ``_TiledTokens`` (whose saves are packed only
+    after its forward returns) matters inside a checkpointed decoder layer: non-reentrant checkpoint
+    stops its recompute as soon as every tensor the forward saved is back, so when nothing after the
+    tiled function saves anything (the MLP, last in a layer) the recompute stops here and the tiles do
+    not run in it at all."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _TiledTokens(torch.autograd.Function):
+    """``fn`` over token tiles: forward without a graph; backward runs each tile again under autograd
+    and adds up the gradients of the tiles' inputs (written into one ``dx``) and of ``params``."""
+
+    @staticmethod
+    def forward(ctx, fn, params, bounds, dim, source, x, *grads_for):
+        ctx.fn, ctx.params, ctx.bounds, ctx.dim, ctx.source = fn, params, bounds, dim, source
+        ctx.n_params = len(grads_for)
+        if source is None:  # x needs no gradient: it has no _KeepInput node, so keep it here
+            ctx.save_for_backward(x)
+        with torch.no_grad():
+            return _forward_tiles(fn, x, bounds, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.source.saved_tensors[0] if ctx.source is not None else ctx.saved_tensors[0]
+        live = tuple(p for p in ctx.params() if p.requires_grad)
+        if len(live) != ctx.n_params:
+            raise RuntimeError(
+                f"tile_tokens: the tiled function's trainable tensors changed between forward ({ctx.n_params}) "
+                f"and backward ({len(live)})"
+            )
+        dx = torch.empty_like(x) if ctx.needs_input_grad[5] else None
+        totals = [None] * len(live)
+        for i, (a, b) in enumerate(ctx.bounds):
+            with torch.enable_grad():
+                xt = x.narrow(ctx.dim, a, b - a).detach().contiguous().requires_grad_(dx is not None)
+                y = ctx.fn(xt)
+                if i == 0:
+                    _check_leaves(y, live, xt)
+                inputs = ((xt,) if dx is not None else ()) + live
+                grads = torch.autograd.grad(y, inputs, grad.narrow(ctx.dim, a, b - a), allow_unused=True)
+            if dx is not None:
+                dx.narrow(ctx.dim, a, b - a).copy_(grads[0])
+                grads = grads[1:]
+            for j, g in enumerate(grads):
+                if g is not None:
+                    totals[j] = g if totals[j] is None else totals[j].add_(g)
+        return (None, None, None, None, None, dx, *totals)
+
+
+def _check_leaves(y: torch.Tensor, listed, x: torch.Tensor) -> None:
+    """Every leaf of ``y``'s graph that needs a gradient is ``x`` or listed in ``params``."""
+    known = {id(t) for t in listed} | {id(x)}
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) not in known:
+            raise RuntimeError(
+                f"tile_tokens: the tiled function reads a tensor that needs a gradient ({tuple(leaf.shape)}) "
+                "and is not among its params"
+            )
+        todo.extend(nxt for nxt, _ in node.next_functions)
 
 
 class TileOutput:

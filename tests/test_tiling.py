@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from hyscale_hf import HyScaleConfig
 from hyscale_hf.tiling import tile_bounds, tiled_tokens
@@ -36,16 +37,16 @@ def test_tiled_tokens_equal_the_whole_computation_with_gradients(tile):
     ref = [t.grad.clone() for t in (x, w1, w2)]
     for t in (x, w1, w2):
         t.grad = None
-    out = tiled_tokens(fn, x, tile)
+    out = tiled_tokens(fn, x, tile, params=lambda: (w1, w2))
     torch.testing.assert_close(out, fn(x), rtol=0, atol=1e-12)
     out.square().sum().backward()
     for got, want in zip((x.grad, w1.grad, w2.grad), ref):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_tiles_keep_only_their_inputs_for_backward():
-    """Each tile is checkpointed: what autograd keeps is the tiles' inputs, not the hidden activations."""
-    (_, _), fn = _mlp(hidden=64)
+def test_tiles_keep_only_their_input_for_backward():
+    """The tiles run without a graph: what autograd keeps is the input, not the hidden activations."""
+    (w1, w2), fn = _mlp(hidden=64)
     x = torch.randn(1, 12, 6, dtype=torch.float64, requires_grad=True)
     kept = []
 
@@ -54,8 +55,55 @@ def test_tiles_keep_only_their_inputs_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        tiled_tokens(fn, x, 4)
-    assert kept and all(shape[-1] != 64 for shape in kept if len(shape) == 3), kept  # no [1, 4, 64] activation
+        tiled_tokens(fn, x, 4, params=lambda: (w1, w2))
+    assert kept == [(1, 12, 6)], kept  # x alone, no [1, 4, 64] activation
+
+
+def test_a_trainable_tensor_left_out_of_params_is_an_error_in_backward():
+    (w1, w2), fn = _mlp()
+    x = torch.randn(1, 9, 6, dtype=torch.float64, requires_grad=True)
+    out = tiled_tokens(fn, x, 4, params=lambda: (w1,))
+    with pytest.raises(RuntimeError, match="not among its params"):
+        out.sum().backward()
+
+
+def test_gradients_of_params_alone_when_the_input_needs_none():
+    (w1, w2), fn = _mlp()
+    x = torch.randn(1, 9, 6, dtype=torch.float64)
+    fn(x).sum().backward()
+    want = [w1.grad.clone(), w2.grad.clone()]
+    w1.grad = w2.grad = None
+    tiled_tokens(fn, x, 4, params=lambda: (w1, w2)).sum().backward()
+    for got, ref in zip((w1.grad, w2.grad), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_inside_a_checkpoint_whose_last_op_it_is_the_tiles_do_not_run_in_the_recompute():
+    """A checkpointed block ending in a tiled function: the recompute stops once the tiled function's input
+    is back (non-reentrant checkpoint's early stop), so each tile runs once in forward and once in
+    backward, and the gradients are those of the plain block."""
+    (w1, w2), mlp = _mlp()
+    runs = []
+
+    def counted(x):
+        runs.append(x.shape[1])
+        return mlp(x)
+
+    def block(x, tiled):
+        h = torch.tanh(x) * 2
+        y = tiled_tokens(counted, h, 4, params=lambda: (w1, w2)) if tiled else mlp(h)
+        return x + y
+
+    x = torch.randn(1, 10, 6, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for tiled in (False, True):
+        for t in (x, w1, w2):
+            t.grad = None
+        checkpoint(block, x, tiled, use_reentrant=False).square().sum().backward()
+        grads.append([t.grad.clone() for t in (x, w1, w2)])
+    assert runs == [4, 4, 2] * 2  # forward, then backward's tiles; none in the recompute
+    for got, want in zip(*grads[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_a_tile_function_must_return_one_tensor():

@@ -34,7 +34,7 @@ class _TiledForward:
         tile = self.state.config.tile_tokens
         if tile is None or args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 3:
             return inner(x, *args, **kwargs)
-        return tiled_tokens(inner, x, tile, dim=1)
+        return tiled_tokens(inner, x, tile, dim=1, params=self.module.parameters)
 
 
 def _is_token_norm(m: nn.Module) -> bool:

@@ -105,7 +105,7 @@ def test_padding_and_packing_tile_like_untiled(model_type):
 
 def test_the_mlps_and_the_mla_query_side_run_in_tiles(monkeypatch):
     model = _patched("glm_moe_dsa", tile_tokens=TILE)
-    seen = {"mlp": [], "norm": [], "attention": [], "attention_in_backward": 0}
+    seen = {"mlp": [], "norm": [], "attention": [], "attention_in_backward": 0, "mlp_in_backward": 0}
     for layer in model.model.layers:
         for key, module in (("mlp", layer.mlp), ("norm", layer.input_layernorm), ("norm", layer.self_attn.q_a_layernorm)):
             tiled = module.forward  # the tiled forward, around the module's own (or lean) forward
@@ -113,6 +113,7 @@ def test_the_mlps_and_the_mla_query_side_run_in_tiles(monkeypatch):
 
             def counting(x, inner=inner, key=key):
                 seen[key].append(x.shape[1])
+                seen["mlp_in_backward"] += key == "mlp" and in_backward()
                 return inner(x)
 
             tiled.previous = counting
@@ -129,6 +130,8 @@ def test_the_mlps_and_the_mla_query_side_run_in_tiles(monkeypatch):
     assert seen["norm"] and max(seen["norm"]) <= TILE
     assert seen["attention"] and max(seen["attention"]) <= TILE
     assert seen["attention_in_backward"] > 0  # layer recompute and the tiles' own recompute
+    # The MLP ends its layer: the layer's recompute stops before it, so each tile runs once in backward.
+    assert seen["mlp_in_backward"] * 2 == len(seen["mlp"])
 
 
 def test_live_tile_tokens_and_the_dense_warm_up():
