@@ -72,7 +72,7 @@ def _step(model, kwargs: dict, selections: list):
         restore()
     indexer = patch_state(model).pop_indexer_loss()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), torch.tensor(indexer if indexer is not None else float("nan")), grads
+    return loss.detach(), torch.tensor(indexer if indexer is not None else float("nan"), device=loss.device), grads
 
 
 def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
