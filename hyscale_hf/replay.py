@@ -275,6 +275,17 @@ def replaying() -> bool:
     return any(isinstance(mode, _ReplayRecomputeMode) for mode in _get_current_dispatch_mode_stack())
 
 
+def in_replay_checkpoint() -> bool:
+    """True inside a checkpointed region with the replay context, in its forward or its recompute: what
+    the region saves there lives only until its backward (recomputed regions), not from forward on."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, (_ReplayForwardMode, _ReplayRecomputeMode)):
+            return True
+        if getattr(mode, "policy_fn", None) is replay_policy:  # SAC's caching mode of the plain forward
+            return True
+    return False
+
+
 def replay_context_fn(layer: str = "<checkpointed region>", verify: bool = False) -> ReplayContextFn:
     """The ``context_fn`` for your own checkpoint calls::
 

@@ -38,7 +38,7 @@ from ..indexer import TiledIndexerLoss, indexer_loss_once
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
-from ..replay import replaying, reuse_indices
+from ..replay import in_replay_checkpoint, replaying, reuse_indices
 from ..state import PatchState, in_backward
 from ..tiling import TileOutput, run_tile, tile_bounds
 from ..training import observe_selection
@@ -373,7 +373,14 @@ def dsa_attention_tiled(
         indices, attended = _selection(state, part, compaction, (B, b - a, b), kv.device, index=index,
                                        shared=shared, prev_indices=None if prev_indices is None else prev_indices[:, a:b],
                                        window=window)
-        out, attn_q, lse = run_tile(query_tile(a, b, indices is not None), attended, *tile_inputs)
+        run = query_tile(a, b, indices is not None)
+        if (a, b) == bounds[-1] and in_replay_checkpoint():
+            # In a checkpointed layer the last tile runs without its own checkpoint: what it saves in the
+            # forward is dropped by the layer's checkpoint, and what it saves in the layer's recompute is
+            # read by its backward, the first of the tiles' (so it does not run a third time).
+            out, attn_q, lse = run(attended, *tile_inputs)
+        else:
+            out, attn_q, lse = run_tile(run, attended, *tile_inputs)
         outs.put(a, b, out)
         del out
         if loss is not None:
