@@ -31,7 +31,13 @@ import json
 import os
 import statistics
 
-import torch
+# Long-context steps allocate and free whole-sequence tensors of many sizes; in the caching allocator's
+# fixed segments the freed space fragments (a 1M-token step failed asking 12 GiB with 18 GiB reserved
+# but unallocated). Set before torch starts CUDA; a setting in the environment wins. Every arm runs
+# under it.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 from hyscale_hf.benchmarking.memory import free, host_pinned_gib, is_oom, oom_message
 from hyscale_hf.benchmarking.stacks import ARMS, STACKS, TILE_TOKENS, make_arm, time_ms
@@ -229,6 +235,7 @@ def main(argv=None) -> dict:
         "benchmark": f"{stack['label']} training step (fwd+bwd+AdamW, gradient checkpointing)", "stack": args.stack,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
         "loss_chunk": args.loss_chunk, "tile_tokens": args.tile_tokens, "arms": [],
     }

@@ -22,7 +22,13 @@ import argparse
 import json
 import os
 
-import torch
+# Long-context steps allocate and free whole-sequence tensors of many sizes; in the caching allocator's
+# fixed segments the freed space fragments (a 1M-token step failed asking 12 GiB with 18 GiB reserved
+# but unallocated). Set before torch starts CUDA; a setting in the environment wins. Every arm runs
+# under it.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 from hyscale_hf.benchmarking.cli import require_positive
 from hyscale_hf.benchmarking.memory import host_pinned_gib, is_oom, oom_message
