@@ -153,7 +153,7 @@ def tokens(T: int) -> str:
 
 def table(result: dict) -> str:
     seqlens = result["seqlens"]
-    head = "arm         | " + " | ".join(f"T={tokens(T)} ms (GiB)" for T in seqlens) + " | longest T"
+    head = "arm         | " + " | ".join(f"T={tokens(T)} ms (GiB)" for T in seqlens) + " | longest trained T"
     lines = [head]
     for a in result["arms"]:
         cells = []
@@ -162,7 +162,8 @@ def table(result: dict) -> str:
             r = rows.get(T)
             peak = "-" if r is None or r.get("peak_gib") is None else f"{r['peak_gib']:.0f}"
             cells.append("-" if r is None else "OOM" if r.get("oom") else f"{r['step_ms']:.0f} ({peak})")
-        lines.append(f"{a['arm']:<11} | " + " | ".join(f"{c:>16}" for c in cells) + f" | {a['longest_trained_T']}")
+        searched = "" if a["search"] else " (not searched)"  # the longest timed length, not a limit
+        lines.append(f"{a['arm']:<11} | " + " | ".join(f"{c:>16}" for c in cells) + f" | {a['longest_trained_T']}{searched}")
     for arm, rs in result["ratios_vs_hyscale"].items():
         lines.append(f"{arm} / hyscale step time: " + ", ".join(f"T={T}: {v:.2f}x" for T, v in rs.items()))
     return "\n".join(lines)
