@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -140,3 +141,15 @@ def test_bad_input_fails_in_seconds_before_any_model(tmp_path):
     assert re.search(r"--passkey_length 256: passkey prompts need more than \d+ tokens", proc.stderr)
     assert "parameters" not in proc.stdout  # the model-summary line: no model was built
     assert not any((tmp_path / "b").iterdir())
+
+
+def test_setup_asks_for_expandable_cuda_segments_unless_the_environment_chose(tmp_path, monkeypatch):
+    from hyscale_hf.recipes.finetune_long import setup
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    setup(parse_args(["--tiny"]))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    setup(parse_args(["--tiny"]))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
