@@ -139,7 +139,8 @@ class _TiledTokens(torch.autograd.Function):
                 inputs = ((xt,) if dx is not None else ()) + live
                 grads = torch.autograd.grad(y, inputs, grad.narrow(ctx.dim, a, b - a), allow_unused=True)
             if dx is not None:
-                dx.narrow(ctx.dim, a, b - a).copy_(grads[0])
+                tile_dx = dx.narrow(ctx.dim, a, b - a)
+                tile_dx.zero_() if grads[0] is None else tile_dx.copy_(grads[0])  # None: fn ignores its input
                 grads = grads[1:]
             for j, g in enumerate(grads):
                 if g is not None:

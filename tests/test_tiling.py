@@ -123,3 +123,10 @@ def test_config_offload_needs_a_bool_and_selection_replay():
     with pytest.raises(ValueError, match="offload_activations=True needs selection_replay"):
         HyScaleConfig(offload_activations=True, selection_replay=False)
     assert HyScaleConfig(tile_tokens=64, offload_activations=True).tile_tokens == 64
+
+
+def test_a_function_that_ignores_its_input_gives_a_zero_input_gradient():
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 5, 3, dtype=torch.float64, requires_grad=True)
+    tiled_tokens(lambda t: torch.ones_like(t) * w, x, 2, params=lambda: (w,)).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.full((3,), 5.0, dtype=torch.float64))
