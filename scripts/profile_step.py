@@ -5,11 +5,15 @@ sequence of T tokens, bf16) on one arm of a model stack (``hyscale_hf.benchmarki
 a warm-up step, one step runs under the profiler; each GPU kernel's time is summed by name and by
 category (matmuls, sparse attention forward / backward, indexer KL, HyTopK, dense attention, tile
 bitmaps, elementwise and copies, other). Prints, per T, the step's wall time, the category table and
-the top kernels; writes JSON.
+the top kernels; writes JSON. ``--sites N`` also records Python stacks and lists the N call sites whose
+elementwise and copy ops cost most (the torch op, its innermost frame in hyscale_hf, Transformers or
+torch.optim, and its time): where the glue comes from. Stacks add host overhead to the profiled step,
+so its wall time is then not comparable.
 
     python scripts/profile_step.py --seqlens 65536 131072 --out results/       # glm5, hyscale arm
     python scripts/profile_step.py --stack smollm2 --arm dense --seqlens 32768  # the dense baseline
     python scripts/profile_step.py --tiny --out /tmp/profile                    # CPU smoke run (aten ops)
+    python scripts/profile_step.py --seqlens 65536 --sites 25                   # where the glue comes from
 
 On a CPU there are no kernels: the table then sums the aten ops' own CPU time, by the same categories
 (the torch paths there, e.g. the CPU flash kernel that sparse attention runs on, fall in other rows).
@@ -65,6 +69,46 @@ def kernel_times(prof, on_gpu: bool) -> dict[str, float]:
     return out
 
 
+# Frames that name a call site: this package, Transformers, the optimizer (torch internals are skipped).
+_SITE_FRAMES = ("hyscale_hf/", "transformers/", "torch/optim/")
+
+
+def call_site(stack) -> str:
+    """The innermost frame of ``stack`` in this package, Transformers or torch.optim, and the innermost
+    module around it (``in GlmMoeDsaRMSNorm``, the same row for every layer's). Ops the autograd engine runs in backward carry the
+    Python stack live at the time: the ``backward()`` call, or the custom backward or checkpoint recompute
+    that set them off."""
+    site = None
+    for frame in stack:
+        if site is None:
+            for root in _SITE_FRAMES:
+                if root in frame:
+                    site = root + frame.split(root, 1)[1]
+                    break
+        elif frame.startswith("nn.Module: "):  # "nn.Module: GlmMoeDsaMLP_1": one row for every layer's MLP
+            return f"{site} in {re.sub(r'_[0-9]+$', '', frame[len('nn.Module: '):])}"
+    if site is not None:
+        return site
+    return "(no Python frame)" if not stack else "(other) " + stack[0]
+
+
+def glue_sites(prof, on_gpu: bool, n: int) -> list[dict]:
+    """The ``n`` costliest (torch op, call site) pairs among the elementwise and copy ops: each op's own
+    kernel time on the GPU (its own CPU time on a CPU), over the profiled step."""
+    sites: dict[tuple[str, str], list] = {}
+    for event in prof.key_averages(group_by_stack_n=12):
+        if not event.key.startswith("aten::") or category(event.key) != "elementwise, copies":
+            continue
+        us = (getattr(event, "self_device_time_total", None) or 0.0) if on_gpu else event.self_cpu_time_total
+        if us <= 0:
+            continue
+        entry = sites.setdefault((event.key, call_site(event.stack)), [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += event.count
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"op": op, "site": site, "ms": ms, "calls": calls} for (op, site), (ms, calls) in ranked]
+
+
 def profile_one(args, T: int, device, dtype, dims) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -82,7 +126,11 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         sync(device)
         t0 = time.perf_counter()
-        with profile(activities=activities) as prof:
+        stacks = {}
+        if args.sites:  # Python stacks on every op: verbose is what fills them in on this torch
+            stacks = {"with_stack": True,
+                      "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)}
+        with profile(activities=activities, **stacks) as prof:
             step()
             sync(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -96,12 +144,15 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
     for name, ms in kernels.items():
         by_category[category(name)] = by_category.get(category(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
-    return {
+    row = {
         "T": T, "profiled_step_wall_ms": wall_ms, "kernel_ms_total": total,
         "categories": [{"category": c, "ms": ms, "share": ms / total if total else 0.0}
                        for c, ms in sorted(by_category.items(), key=lambda kv: -kv[1])],
         "top_kernels": [{"name": n, "ms": ms, "category": category(n)} for n, ms in top],
     }
+    if args.sites:
+        row["glue_sites"] = glue_sites(prof, on_gpu, args.sites)
+    return row
 
 
 def report(row: dict, unit: str) -> str:
@@ -111,6 +162,9 @@ def report(row: dict, unit: str) -> str:
     lines += [f"  {c['category']:<28} {c['ms']:>9.1f} {100 * c['share']:>5.1f}%" for c in row["categories"]]
     lines.append(f"  top {len(row['top_kernels'])}:")
     lines += [f"  {k['ms']:>9.1f} ms  {k['name'][:90]}  [{k['category']}]" for k in row["top_kernels"]]
+    if "glue_sites" in row:
+        lines.append(f"  elementwise and copy ops by call site (top {len(row['glue_sites'])}):")
+        lines += [f"  {g['ms']:>9.1f} ms {g['calls']:>6}x  {g['op']:<22} {g['site']}" for g in row["glue_sites"]]
     return "\n".join(lines)
 
 
@@ -121,13 +175,15 @@ def main(argv=None) -> dict:
     p.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: 65536 131072 (GPU), 32 (--tiny)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the stack's, as in bench_e2e)")
     p.add_argument("--top", type=int, default=15, help="kernels listed by time")
+    p.add_argument("--sites", type=int, default=0,
+                   help="also list the N costliest call sites of elementwise and copy ops (records Python stacks)")
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
     p.add_argument("--out", default="outputs/profile_step", help="folder for profile_step.json")
     args = p.parse_args(argv)
     if args.stack == "smollm2" and args.arm == "native":
         p.error("--arm native: the smollm2 stack is a dense model (its unpatched arm is 'dense')")
-    if args.top < 1 or any(T < 2 for T in args.seqlens or [2]):
-        p.error("--top must be >= 1 and every --seqlens entry >= 2")
+    if args.top < 1 or args.sites < 0 or any(T < 2 for T in args.seqlens or [2]):
+        p.error("--top must be >= 1, --sites >= 0 and every --seqlens entry >= 2")
     stack = STACKS[args.stack]
     args.layers = args.layers or stack["layers"]
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")

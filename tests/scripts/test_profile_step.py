@@ -40,8 +40,34 @@ def test_profile_step_tiny(tmp_path, stack, arm, capsys):
     assert "T=32: profiled step" in capsys.readouterr().out
 
 
+def test_call_sites_name_the_innermost_package_frame_and_its_module():
+    call_site = _script().call_site
+    stack = ["<built-in method pow>", "/x/site-packages/hyscale_hf/kernels/lean_autograd/op.py(25): _inverse_rms",
+             "/x/site-packages/hyscale_hf/model_patches/_lean_layers.py(27): _lean_norm_forward",
+             "nn.Module: GlmMoeDsaRMSNorm_3", "/x/transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py(587): forward"]
+    assert call_site(stack) == "hyscale_hf/kernels/lean_autograd/op.py(25): _inverse_rms in GlmMoeDsaRMSNorm"
+    assert call_site(["/x/torch/optim/adam.py(347): _single_tensor_adam"]) == "torch/optim/adam.py(347): _single_tensor_adam"
+    assert call_site([]) == "(no Python frame)"
+    assert call_site(["/y/other.py(1): f"]) == "(other) /y/other.py(1): f"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_glue_sites_list_elementwise_ops_by_call_site(tmp_path, capsys):
+    result = _script().main(["--tiny", "--stack", "smollm2", "--layers", "2", "--seqlens", "32", "--sites", "6",
+                             "--out", str(tmp_path)])
+    (row,) = result["rows"]
+    sites = row["glue_sites"]
+    assert 0 < len(sites) <= 6
+    assert all(g["op"].startswith("aten::") and g["ms"] > 0 and g["calls"] > 0 for g in sites)
+    assert [g["ms"] for g in sites] == sorted((g["ms"] for g in sites), reverse=True)
+    assert any(g["site"].startswith(("hyscale_hf/", "transformers/", "torch/optim/")) for g in sites)
+    assert "by call site" in capsys.readouterr().out
+
+
 def test_profile_step_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         _script().main(["--tiny", "--stack", "smollm2", "--arm", "native", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         _script().main(["--tiny", "--seqlens", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        _script().main(["--tiny", "--sites", "-1", "--out", str(tmp_path)])
