@@ -69,22 +69,17 @@ def tiled_tokens(
 
 
 def _forward_tiles(fn, x: torch.Tensor, bounds, dim: int) -> torch.Tensor:
-    """``fn`` over the tiles of ``x``, written into one output (no concatenation: that would hold every
-    tile and the whole output at once)."""
-    out = None
+    """``fn`` over the tiles of ``x``, written into one output (``TileOutput``)."""
+    out = TileOutput(x.shape[dim], dim)
     for a, b in bounds:
         y = fn(x.narrow(dim, a, b - a).contiguous())  # a copy only for batch > 1 (modules view the rows flat)
         if not isinstance(y, torch.Tensor):
             raise TypeError(
                 f"tile_tokens tiles token-wise modules that return one tensor; {fn!r} returned {type(y).__name__}"
             )
-        if out is None:
-            shape = list(y.shape)
-            shape[dim] = x.shape[dim]
-            out = y.new_empty(shape)
-        out.narrow(dim, a, b - a).copy_(y)
+        out.put(a, b, y)
         del y
-    return out
+    return out.tensor
 
 
 class _KeepInput(torch.autograd.Function):
@@ -128,7 +123,7 @@ class _TiledTokens(torch.autograd.Function):
                 f"tile_tokens: the tiled function's trainable tensors changed between forward ({ctx.n_params}) "
                 f"and backward ({len(live)})"
             )
-        dx = torch.empty_like(x) if ctx.needs_input_grad[5] else None
+        dx = torch.empty_like(x) if ctx.source is not None else None  # x needs a gradient iff it was kept there
         totals = [None] * len(live)
         for i, (a, b) in enumerate(ctx.bounds):
             with torch.enable_grad():
