@@ -341,10 +341,10 @@ def dsa_attention_tiled(
     the layer's visibility to it), so nothing query-sized exists for the whole sequence but the output:
     ``index_queries(a, b)`` gives the tile's indexer queries and weights (``index_keys``: the layer's
     indexer keys ``[B, T, D]``); the tile selects (one replayed selection op per tile), then
-    ``query_tile(a, b, selected)(attended, *tile_inputs)`` runs under its own checkpoint, but for the
-    last tile of a replay-checkpointed layer (``hyscale_hf.tiling``; ``tile_inputs``: the whole-T tensors
-    the tiles read, passed as inputs): the
-    layer's query side from its inputs, attention over the keys ``:b``, the output projection; it returns
+    ``query_tile(a, b, selected)(attended, *tile_inputs)`` runs under its own checkpoint
+    (``hyscale_hf.tiling``; ``tile_inputs``: the whole-T tensors the tiles read, passed as inputs; the
+    last tile of a replay-checkpointed layer has no checkpoint of its own): the layer's query side from
+    its inputs, attention over the keys ``:b``, the output projection; it returns
     ``(output [B, b - a, ...], absorbed query, lse)``, the last two detached (the KL target). The tile's
     indexer KL follows at once (``TiledIndexerLoss``), a sum over its queries divided by the layer's count
     of real queries: the same loss as untiled. ``kv``: the attention's keys ``[B, T, 1, C]``. Returns
