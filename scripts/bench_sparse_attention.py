@@ -13,7 +13,8 @@ Measured (bf16, B = 1, one sequence of T tokens, S = T queries, K selected keys)
     time and TFLOP/s (forward 2*H*pairs*(Dqk+Dv), backward 2*H*pairs*(3*Dqk+2*Dv), pairs = valid
     selected (query, key) pairs). Where the forward runs the Gluon kernel (sm_90), the Triton
     forward is timed too as the same-run baseline (``triton_fwd_*``, through
-    ``config=SparseAttentionConfig(mla_gluon=False)``).
+    ``config=SparseAttentionConfig(mla_gluon=False)``), and likewise the Triton dS + dK/dV kernel
+    where the backward runs the Gluon one (``triton_bwd_*``, ``mla_gluon_bwd=False``).
 
     python scripts/bench_sparse_attention.py --out results/       # JSON (+ PNG if matplotlib)
     python scripts/bench_sparse_attention.py --plot results/bench_sparse_attention.json
@@ -101,17 +102,16 @@ def bench_gqa(T, K, idx, args, dense=True):
     return res
 
 
-def _gluon_forward_runs(q, kv, idx):
-    """Whether sparse_attention's MLA forward takes the Gluon kernel for these inputs (counts its launches)."""
-    if host.mla_forward_gluon is None:
+def _gluon_runs(module, name, run):
+    """Whether ``run()`` launches the Gluon kernel ``module.name`` (counts its launches)."""
+    if module is None:
         return False
-    calls, real = [], host.mla_forward_gluon.mla_forward
-    host.mla_forward_gluon.mla_forward = lambda *a: calls.append(1) or real(*a)
+    calls, real = [], getattr(module, name)
+    setattr(module, name, lambda *a: calls.append(1) or real(*a))
     try:
-        with torch.no_grad():
-            sparse_attention(q, kv, kv[..., :512], idx)
+        run()
     finally:
-        host.mla_forward_gluon.mla_forward = real
+        setattr(module, name, real)
     return bool(calls)
 
 
@@ -131,14 +131,20 @@ def bench_mla(T, K, idx, args):
 
     with torch.no_grad():
         res["fwd_ms"] = timed(sparse(False), budget_ms=args.budget_ms)
-        if _gluon_forward_runs(q, kv, idx):
+        if _gluon_runs(host.mla_forward_gluon, "mla_forward", sparse(False)):
             triton_forward = SparseAttentionConfig(mla_gluon=False)
             res["triton_fwd_ms"] = timed(sparse(False, triton_forward), budget_ms=args.budget_ms)
             res["triton_fwd_tflops"] = fwd_flop / res["triton_fwd_ms"] / 1e9
-    for name, det in (("", False), ("det_", True)):
+    o = sparse(False)()
+    gluon_bwd = _gluon_runs(host.mla_backward_gluon, "mla_backward_dkv", lambda: o.backward(do, retain_graph=True))
+    del o
+    runs = [("", False, None), ("det_", True, None)]
+    if gluon_bwd:  # the same-run baseline: the Triton dS + dK/dV kernel
+        runs.append(("triton_", False, SparseAttentionConfig(mla_gluon_bwd=False)))
+    for name, det, config in runs:
         if det and not (args.deterministic and T <= args.det_max_T):
             continue
-        o = sparse(det)()
+        o = sparse(det, config)()
 
         def bwd(o=o):
             q.grad = kv.grad = None
@@ -149,8 +155,9 @@ def bench_mla(T, K, idx, args):
     res["fwd_bwd_peak_mib"] = peak_mib(fwd_bwd(sparse(False), (q, kv), do))
     res["fwd_tflops"] = fwd_flop / res["fwd_ms"] / 1e9
     res["bwd_tflops"] = bwd_flop / res["bwd_ms"] / 1e9
-    if "det_bwd_ms" in res:
-        res["det_bwd_tflops"] = bwd_flop / res["det_bwd_ms"] / 1e9
+    for name in ("det_", "triton_"):
+        if f"{name}bwd_ms" in res:
+            res[f"{name}bwd_tflops"] = bwd_flop / res[f"{name}bwd_ms"] / 1e9
     return res
 
 
@@ -179,7 +186,11 @@ def plot(path_json, path_png):
     ax2.bar([i - 0.2 for i in x], [r["fwd_tflops"] for r in rows], 0.4, label="forward")
     ax2.bar([i + 0.2 for i in x], [r["bwd_tflops"] for r in rows], 0.4, label="backward")
     if all("triton_fwd_tflops" in r for r in rows) and rows:
-        ax2.plot(list(x), [r["triton_fwd_tflops"] for r in rows], "k_", ms=20, mew=2, label="forward, Triton kernel")
+        ax2.plot([i - 0.2 for i in x], [r["triton_fwd_tflops"] for r in rows], "k_", ms=20, mew=2,
+                 label="forward, Triton kernel")
+    if all("triton_bwd_tflops" in r for r in rows) and rows:
+        ax2.plot([i + 0.2 for i in x], [r["triton_bwd_tflops"] for r in rows], "r_", ms=20, mew=2,
+                 label="backward, Triton dK/dV kernel")
     ax2.set_xticks(list(x), [f"T={r['T'] // 1024}K" for r in rows])
     ax2.set_ylabel("TFLOP/s")
     ax2.set_title("MLA absorbed, 64 heads, 576/512, K=2048, bf16")
@@ -264,6 +275,8 @@ def print_table(data):
             f"  T={r['T']:>6d} fwd {r['fwd_ms']:8.2f} ({r['fwd_tflops']:6.1f}) bwd {r['bwd_ms']:8.2f} ({r['bwd_tflops']:6.1f})"
             f" det bwd {r.get('det_bwd_ms', float('nan')):8.2f}"
             f" Triton fwd {r.get('triton_fwd_ms', float('nan')):8.2f} ({r.get('triton_fwd_tflops', float('nan')):6.1f})"
+            f" Triton bwd {r.get('triton_bwd_ms', float('nan')):8.2f} ({r.get('triton_bwd_tflops', float('nan')):6.1f})"
+            f" bwd speed-up x{r['triton_bwd_ms'] / r['bwd_ms'] if 'triton_bwd_ms' in r else float('nan'):5.2f}"
         )
 
 

@@ -1,12 +1,13 @@
 """Host code of the Triton sparse attention: launch configs, key lists, forward and backward launches.
 
-Kernels: ``triton_kernels.py`` (the design is described there) and, for the MLA forward on sm_90,
-``mla_forward_gluon.py``. The autograd wrappers (``op.py``, ``mla.py``) call ``sparse_attention_fwd``
+Kernels: ``triton_kernels.py`` (the design is described there) and, for MLA on sm_90, the Gluon
+forward (``mla_forward_gluon.py``) and the Gluon dS + dK/dV part of the backward (``mla_backward_gluon.py``). The autograd wrappers (``op.py``, ``mla.py``) call ``sparse_attention_fwd``
 and ``sparse_attention_bwd``; ``SparseAttentionConfig`` chooses tile shapes and kernel variants.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -19,10 +20,10 @@ try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference 
     from .tile_unions import tile_unions
 except ImportError:  # pragma: no cover
     triton = None
-try:  # Gluon (Triton's explicit-layout dialect) with its Hopper ops: the MLA forward on sm_90
-    from . import mla_forward_gluon
+try:  # Gluon (Triton's explicit-layout dialect) with its Hopper ops: the MLA kernels on sm_90
+    from . import mla_backward_gluon, mla_forward_gluon
 except (ImportError, AttributeError):  # pragma: no cover  (a Triton without them, or other names)
-    mla_forward_gluon = None
+    mla_forward_gluon = mla_backward_gluon = None
 
 # Whether this build has the Triton kernels (the ops' "triton" backend).
 HAS_TRITON = triton is not None
@@ -67,6 +68,8 @@ class SparseAttentionConfig:
 
     ``mla_gluon``: the Hopper MLA forward (``mla_forward_gluon.py``) where it applies; False runs
     the Triton forward there (the same-run baseline of ``scripts/bench_sparse_attention.py``).
+    ``mla_gluon_bwd``: the same for the dS + dK/dV kernel of the backward (``mla_backward_gluon.py``;
+    the atomic backward only: the deterministic one always runs the Triton kernels).
     """
 
     fwd: dict = field(default_factory=dict)
@@ -76,6 +79,7 @@ class SparseAttentionConfig:
     bwd_tiled: dict = field(default_factory=dict)
     tile_rows: int = 128
     mla_gluon: bool = True
+    mla_gluon_bwd: bool = True
 
     def overrides(self, kind: str) -> dict:
         """The launch overrides of kernel ``kind`` ("fwd", "bwd", "bwd_dq", "fwd_tiled", "bwd_tiled")."""
@@ -147,6 +151,19 @@ def _gluon_mla_forward_applies(
         and run.idx.stride(2) == 1
         and rows_aligned
     )
+
+
+def _gluon_mla_backward_applies(q, k, v_from_k: bool, lists: KeyLists, o, do, deterministic: bool,
+                                config: SparseAttentionConfig) -> bool:
+    """The Hopper dS + dK/dV kernel (``mla_backward_gluon``) takes what the Gluon forward takes, with
+    o and dO in the same row form (unit inner stride, 16-byte aligned rows), for the atomic backward;
+    ``SparseAttentionConfig(mla_gluon_bwd=False)`` turns it off."""
+    if mla_backward_gluon is None or deterministic or not config.mla_gluon_bwd:
+        return False
+    if not _gluon_mla_forward_applies(q, k, v_from_k, lists, dataclasses.replace(config, mla_gluon=True)):
+        return False
+    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
+               for t in (o, do))
 
 
 def triton_dtype_reason(q, k, v) -> str | None:
@@ -374,9 +391,14 @@ def sparse_attention_bwd(
     else:
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
 
+    gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
     for t0 in range(0, units, chunk):
         count = min(chunk, units - t0)
-        if split:
+        if gluon_dkv:
+            mla_backward_gluon.mla_backward_dkv(
+                q, k, idx, lists.num, o, do, lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E
+            )
+        elif split:
             args = (
                 *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(), *do.stride(),
                 *lse.stride(), *dlse_t.stride(),
@@ -386,6 +408,7 @@ def sparse_attention_bwd(
                 ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2), *tstrides,
                 t0, count, S, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
             )  # fmt: skip
+        if split:
             qcfg = launch_config("bwd_dq", group, Dqk, Dv, L, config)
             if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
                 raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")

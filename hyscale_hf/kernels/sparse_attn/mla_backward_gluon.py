@@ -1,0 +1,308 @@
+"""MLA-absorbed sparse attention backward, dS and dK/dV part, for Hopper (sm_90), in Gluon.
+
+Host dispatch: ``host.sparse_attention_bwd`` (the shapes it takes are those of the Gluon forward,
+``mla_forward_gluon.py``, with the atomic, non-deterministic accumulation). It replaces the Triton
+kernel ``sparse_attn_bwd_dkv_kernel`` and keeps its contract: ``scale * dS`` (q's dtype) goes to the
+dS buffer that the Triton dQ kernel reads, and each (query, key) pair's contribution
+``scale * dS^T Q + P^T dO`` (dV merged into the first 512 columns) is added to the fp32 key-row
+accumulator with fp32 atomics.
+
+Why a second kernel: the Triton kernel's 64 heads x 576 + 512 dims leave shared memory for blocks of
+16 keys only, its products run one after another with 16-wide tensor-core tiles, and its
+contributions are formed transposed (key dims as the matmul M side), so its atomics are scalar. Here
+one program (one query token, 64 heads) runs three warpgroups:
+
+- the default partition loads Q and dO once, gathers the selected K rows of each 64-key block
+  (``cp.async``) into one slot, runs S = Q K^T and dP = dO V^T (v = k[..., :512]), and as soon as
+  those products are done (nothing else reads K) starts the next block's gather; it then forms
+  P = exp2(S * scale * log2 e - lse) and dS = P * (dP - delta), writes ``scale * dS`` to the dS
+  buffer, and hands P and ``scale * dS`` (bf16/fp16) to the other two through shared memory;
+- two contribution warpgroups each own 256 of the 512 value columns: C = (scale dS)^T Q[:, cols] +
+  P^T dO[:, cols], a [64 keys, 256] fp32 tile in the tensor cores' accumulator layout, whose rows are
+  key rows: each thread adds pairs of adjacent columns of two rows (vector atomics). The second
+  also owns the 64 rope columns ((scale dS)^T Q_rope).
+
+So a block's gather and S / dP overlap the previous block's contributions and atomics, which bound
+the kernel (H200: fp32 atomics into key rows move about 3.7 TB/s, and every pair adds 2.3 KB).
+Barriers: "PdS ready" (default -> both) and "PdS free" (both -> default: P and dS may be
+overwritten). Shared memory: Q 72 KB, dO 64 KB, the K slot 72 KB, P and dS 16 KB: 224 KB of the
+227 KB a program may use, so one program per SM.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..gluon_hopper import cp_async as _cp_async
+from ..gluon_hopper import sync_partition as _sync_partition
+
+HEADS = gl.constexpr(64)  # heads per program: the M side of S and dP, the K side of the contributions
+BLOCK = gl.constexpr(64)  # keys per block: the M side of the contributions
+D_V = gl.constexpr(512)  # key dims that are also the value (MLA absorbed: v = k[..., :512])
+D_ROPE = gl.constexpr(64)  # the remaining key dims (576 = 512 + 64)
+HALF_V = gl.constexpr(256)  # value columns per contribution warpgroup
+
+# mbarrier slots
+_PDS_READY = gl.constexpr(0)
+_PDS_FREE = gl.constexpr(1)  # both contribution warpgroups arrive
+_N_BARRIERS = gl.constexpr(2)
+
+
+@gluon.jit
+def _copy_rows(dst, dst_rope, row_ptrs, cols, WITH_ROPE: gl.constexpr):
+    """``cp.async`` [64, 512] (and the [64, 64] rope tail) of 64 rows into shared memory."""
+    for c in gl.static_range(D_V // 64):
+        _cp_async(dst.slice(c * 64, 64, dim=1), row_ptrs + (c * 64 + cols)[None, :])
+    if WITH_ROPE:
+        _cp_async(dst_rope, row_ptrs + (D_V + cols)[None, :])
+
+
+@gluon.jit
+def _block_keys(idx_base, count, j, offs):
+    """Key ids of block j's slots (-1 past the row's extent), in offs's layout."""
+    slot = j * BLOCK + offs
+    return gl.load(idx_base + slot, mask=slot < count, other=-1)
+
+
+@gluon.jit
+def _gather_block(k_base, s_kt, kid, kv_smem, rope_smem, cols):
+    """The K rows ``kid`` (one block) into the K slot (one commit group). Index -1 loads row 0: its P
+    and dS are 0, and its contribution is masked."""
+    k_rows = k_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_kt
+    _copy_rows(kv_smem, rope_smem, k_rows, cols, True)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _softmax_partition(
+    q_base, s_qh, do_base, s_doh, o_base, s_oh, lse_base, s_lh, dlse_base, s_dlh, ds_base, s_dsh,
+    k_base, s_kt, idx_base, count, num_idx, n_blocks, sm_scale, qk_scale,
+    q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE: gl.constexpr,
+):  # fmt: skip
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+    KEY: gl.constexpr = gl.SliceLayout(0, MMA)
+    COPY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte pieces of [64, 64]
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY))
+    q_rows = q_base + rows[:, None].to(gl.int64) * s_qh
+    _copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
+    _copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
+    async_copy.commit_group()
+    if n_blocks > 0:
+        _gather_block(k_base, s_kt, _block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
+
+    # delta = rowsum(dO * O) - dlse: d(loss)/d(logit) = p * (dp - delta). dO is read back from its
+    # shared-memory copy, 64 columns at a time (a [64, 512] register tile would not fit).
+    heads = gl.arange(0, HEADS, layout=ROW)
+    if n_blocks > 0:  # Q and dO are in shared memory (block 0's gather may still run)
+        async_copy.wait_group(1)
+    else:
+        async_copy.wait_group(0)
+    _sync_partition()
+    delta = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, COPY))
+    o_rows = o_base + rows[:, None].to(gl.int64) * s_oh
+    for c in gl.static_range(D_V // 64):
+        d_o = do_smem.slice(c * 64, 64, dim=1).load(COPY).to(gl.float32)
+        o = gl.load(o_rows + (c * 64 + cols)[None, :]).to(gl.float32)
+        delta += gl.sum(d_o * o, axis=1)
+    delta = gl.convert_layout(delta, ROW)
+    if HAS_DLSE:
+        delta -= gl.load(dlse_base + heads * s_dlh)
+    lse = gl.load(lse_base + heads * s_lh)
+    lse2 = gl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # a row without keys: p = 0
+
+    zero = gl.zeros([HEADS, BLOCK], gl.float32, MMA)
+    offs = gl.arange(0, BLOCK, layout=KEY)
+    ds_rows = ds_base + heads[:, None].to(gl.int64) * s_dsh
+    for j in range(n_blocks):
+        # the next block's key ids, loaded before this block's products so that their latency is
+        # hidden and the next gather can start as soon as the products have read the K slot
+        kid_next_rows = _block_keys(idx_base, count, j + 1, rows)
+        async_copy.wait_group(0)  # block j is in shared memory
+        fence_async_shared()  # ... and visible to the tensor cores
+        _sync_partition()
+        s = warpgroup_mma(q_smem, kv_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope_smem, rope_smem.permute((1, 0)), s, is_async=True)
+        dp = warpgroup_mma(do_smem, kv_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+        _sync_partition()  # every warp's products have read the K slot
+        if j + 1 < n_blocks:  # the next gather runs beside this block's softmax and contributions
+            _gather_block(k_base, s_kt, kid_next_rows, kv_smem, rope_smem, cols)
+        slot = j * BLOCK + offs
+        kid = _block_keys(idx_base, count, j, offs)  # in L1: read for this block's gather (a [64] tile of
+        # key ids in this layout held across the products would make the partition spill)
+        p = gl.where((kid >= 0)[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        ds = ((p * (dp - delta[:, None])) * sm_scale).to(ds_smem.dtype)
+        gl.store(ds_rows + slot[None, :], ds, mask=(slot < num_idx)[None, :])
+        if j > 0:  # the contributions of block j - 1 are formed: P and dS may be overwritten
+            mbarrier.wait(bars.index(_PDS_FREE), (j - 1) & 1)
+        p_smem.store(p.to(p_smem.dtype))
+        ds_smem.store(ds)
+        fence_async_shared()
+        _sync_partition()
+        mbarrier.arrive(bars.index(_PDS_READY), count=1)
+    async_copy.wait_group(0)  # no copy may outlive the program
+
+
+@gluon.jit
+def _contribution_partition(
+    n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem, bars,
+    COL0: gl.constexpr, WITH_ROPE: gl.constexpr,
+):  # fmt: skip
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_V, 16]
+    )
+    ROPE: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_ROPE, 16]
+    )
+    # the accumulators are overwritten each block (use_acc=False): the previous block's tile is the
+    # operand, so no second [64, 256] fp32 tile (128 registers a thread) stays live as a zero
+    c = gl.zeros([BLOCK, HALF_V], gl.float32, MMA)
+    keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
+    cols = COL0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, MMA))
+    if WITH_ROPE:
+        r = gl.zeros([BLOCK, D_ROPE], gl.float32, ROPE)
+        keys_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, ROPE))
+        cols_r = D_V + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE))
+    kid = _block_keys(idx_base, count, 0, keys)
+    for j in range(n_blocks):
+        kid_next = _block_keys(idx_base, count, j + 1, keys)  # its latency hidden by the wait and products
+        mbarrier.wait(bars.index(_PDS_READY), j & 1)
+        ds_t = ds_smem.permute((1, 0))  # [keys, heads]
+        c = warpgroup_mma(ds_t, q_smem.slice(COL0, HALF_V, dim=1), c, use_acc=False, is_async=True)
+        c = warpgroup_mma(p_smem.permute((1, 0)), do_smem.slice(COL0, HALF_V, dim=1), c, is_async=True)
+        c = warpgroup_mma_wait(0, deps=[c])
+        dst = acc_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_at
+        if WITH_ROPE:  # the rope tile only after the value tile's atomics: both live would spill
+            gl.atomic_add(dst + cols[None, :], c, mask=(kid >= 0)[:, None], sem="relaxed")
+            r = warpgroup_mma(ds_t, q_rope_smem, r, use_acc=False)
+            _sync_partition()
+            mbarrier.arrive(bars.index(_PDS_FREE), count=1)
+            kid_r = gl.convert_layout(kid, gl.SliceLayout(1, ROPE))
+            dst_r = acc_base + gl.where(kid_r >= 0, kid_r, 0).to(gl.int64)[:, None] * s_at
+            gl.atomic_add(dst_r + cols_r[None, :], r, mask=(kid_r >= 0)[:, None], sem="relaxed")
+        else:
+            _sync_partition()
+            mbarrier.arrive(bars.index(_PDS_FREE), count=1)
+            gl.atomic_add(dst + cols[None, :], c, mask=(kid >= 0)[:, None], sem="relaxed")
+        kid = kid_next
+
+
+# warp_specialize hands its partitions runtime values only, so the column half (a constexpr of the
+# shared-memory slice) is fixed by one small entry function per half
+@gluon.jit
+def _contribution_low(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
+                      bars):  # fmt: skip
+    _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
+                            ds_smem, bars, 0, False)  # fmt: skip
+
+
+@gluon.jit
+def _contribution_high(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
+                       bars):  # fmt: skip
+    _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
+                            ds_smem, bars, HALF_V, True)  # fmt: skip
+
+
+@gluon.jit
+def mla_backward_dkv_kernel(
+    q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_ptr, acc_ptr,
+    s_qb, s_qs, s_qh, s_kb, s_kt, s_ib, s_is, s_nb, s_ob, s_os, s_oh, s_dob, s_dos, s_doh,
+    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, s_dsb, s_dss, s_dsh, s_ab, s_at,
+    t_offset, num_idx, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr,
+):  # fmt: skip
+    """Query token t = t_offset + program_id(0), heads 64 * hb + [0, 64) of batch b (program_id(1)
+    = b * num_head_blocks + hb): dS of its first num[b, t] index slots to ds[b, program_id(0)] and
+    the pairs' contributions into acc[b, key]."""
+    t_local = gl.program_id(0).to(gl.int64)
+    t = t_offset + t_local
+    hb = gl.program_id(1) % num_head_blocks
+    b = (gl.program_id(1) // num_head_blocks).to(gl.int64)
+    count = gl.load(num_ptr + b * s_nb + t)
+    n_blocks = gl.cdiv(count, BLOCK)
+    h0 = (hb * HEADS).to(gl.int64)
+    idx_base = idx_ptr + b * s_ib + t * s_is
+
+    dt: gl.constexpr = q_ptr.dtype.element_ty
+    MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(dt, [HEADS, D_V], MMA_SMEM)
+    q_rope_smem = gl.allocate_shared_memory(dt, [HEADS, D_ROPE], MMA_SMEM)
+    do_smem = gl.allocate_shared_memory(dt, [HEADS, D_V], MMA_SMEM)
+    kv_smem = gl.allocate_shared_memory(dt, [BLOCK, D_V], MMA_SMEM)
+    rope_smem = gl.allocate_shared_memory(dt, [BLOCK, D_ROPE], MMA_SMEM)
+    p_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], MMA_SMEM)
+    ds_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], MMA_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [_N_BARRIERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_PDS_READY), count=1)
+    mbarrier.init(bars.index(_PDS_FREE), count=2)
+    fence_async_shared()
+
+    acc_base = acc_ptr + b * s_ab
+    contribution_args = (n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
+                         bars)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_softmax_partition, (
+                q_ptr + b * s_qb + t * s_qs + h0 * s_qh, s_qh, do_ptr + b * s_dob + t * s_dos + h0 * s_doh, s_doh,
+                o_ptr + b * s_ob + t * s_os + h0 * s_oh, s_oh, lse_ptr + b * s_lb + t * s_ls + h0 * s_lh, s_lh,
+                dlse_ptr + b * s_dlb + t * s_dls + h0 * s_dlh, s_dlh, ds_ptr + b * s_dsb + t_local * s_dss + h0 * s_dsh,
+                s_dsh, k_ptr + b * s_kb, s_kt, idx_base, count, num_idx, n_blocks, sm_scale, qk_scale,
+                q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE)),
+            (_contribution_low, contribution_args),
+            (_contribution_high, contribution_args),
+        ],
+        [4, 4],
+        [152, 176],
+    )  # fmt: skip
+
+
+def mla_backward_dkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    idx: torch.Tensor,
+    num: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    ds: torch.Tensor,
+    acc: torch.Tensor,
+    t_offset: int,
+    count: int,
+    scale: float,
+    qk_scale: float,
+) -> None:
+    """dS and the dK/dV contributions of query tokens [t_offset, t_offset + count).
+
+    q [B, S, H, 576] (H a multiple of 64), k [B, T, 1, 576] with v = k[..., :512], idx [B, S, L] int32
+    (-1 = no key), num [B, S] int32 (each row's extent), o / do [B, S, H, 512], lse (and dlse, or None)
+    fp32 [B, S, H]; writes ``scale * dS`` to ds [B, >= count, H, L] (q's dtype; slot columns of the walked
+    blocks) and adds into acc fp32 [B, T, 1, 576]. The caller checks what ``host`` checks for the Gluon
+    forward (sm_90, dtypes, unit inner strides, 16-byte aligned rows) and that o / do have them too.
+    """
+    B, _, H, _ = q.shape
+    if B * count == 0:
+        return
+    nhb = H // HEADS.value
+    has_dlse = dlse is not None
+    dl = dlse if has_dlse else lse  # any fp32 [B, S, H] tensor; unread without HAS_DLSE
+    mla_backward_dkv_kernel[(count, B * nhb)](
+        q, k, idx, num, o, do, lse, dl, ds, acc,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(0), idx.stride(1),
+        num.stride(0), o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2), dl.stride(0), dl.stride(1), dl.stride(2),
+        ds.stride(0), ds.stride(1), ds.stride(2), acc.stride(0), acc.stride(1),
+        t_offset, idx.shape[2], nhb, scale, qk_scale, HAS_DLSE=has_dlse, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,51 @@
+"""The Hopper MLA backward's dS + dK/dV kernel (Gluon) compiles for sm_90 and fits one SM, checked on
+any machine.
+
+Its results are checked against the fp32 reference and the Triton kernel by the GPU tests
+(``tests/kernels/sparse_attn/test_gpu.py``: ``test_mla_absorbed_matches_fp32_reference`` runs it for
+64 and 128 heads, ``test_mla_gluon_backward_matches_triton_backward``); see
+``tests/support/sm90_build.py`` for why and how the kernel is built here.
+"""
+
+import pytest
+
+from hyscale_hf.kernels.sparse_attn import host
+from tests.support.sm90_build import SM90_SHARED_BYTES, assert_warp_specialised, build_sm90
+
+pytestmark = pytest.mark.skipif(host.mla_backward_gluon is None, reason="needs Triton with Gluon's Hopper ops")
+
+PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr="*bf16", do_ptr="*bf16",
+            lse_ptr="*fp32", dlse_ptr="*fp32", ds_ptr="*bf16", acc_ptr="*fp32")
+INTS = ("s_qb s_qs s_qh s_kb s_kt s_ib s_is s_nb s_ob s_os s_oh s_dob s_dos s_doh s_lb s_ls s_lh s_dlb s_dls "
+        "s_dlh s_dsb s_dss s_dsh s_ab s_at t_offset num_idx num_head_blocks").split()
+ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at".split()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no_dlse", "dlse"])
+def sm90_build(request):
+    return build_sm90(
+        dict(
+            module="hyscale_hf.kernels.sparse_attn.mla_backward_gluon",
+            kernel="mla_backward_dkv_kernel",
+            signature={**PTRS, **dict.fromkeys(INTS, "i32"), "sm_scale": "fp32", "qk_scale": "fp32"},
+            constexprs={"HAS_DLSE": request.param},
+            aligned=list(PTRS) + ALIGNED,
+        )
+    )
+
+
+def test_fits_one_sm(sm90_build):
+    assert sm90_build["shared"] <= SM90_SHARED_BYTES
+    assert "LOCAL:0" in sm90_build["usage"]
+
+
+def test_warpgroups_are_specialised(sm90_build):
+    # cp.async gathers, wgmma products (m64n64 for S / dP, m64n256 for the contributions), and the
+    # contributions added as pairs of adjacent fp32 columns
+    assert_warp_specialised(
+        sm90_build,
+        r"cp\.async",
+        r"wgmma\.mma_async\.sync\.aligned\.m64n64k16",
+        r"wgmma\.mma_async\.sync\.aligned\.m64n256k16",
+        r"red\.global\.[a-z.]*add\.v2\.f32",
+    )
