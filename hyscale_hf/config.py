@@ -38,7 +38,8 @@ class HyScaleConfig:
         lean_activations: give the model's RMSNorms and SwiGLU MLPs forwards that compute the same
             bits but save fewer activations for backward (``kernels.rms_norm`` / ``kernels.swiglu_mlp``;
             about a third of a GLM-5 layer's checkpoint-recompute memory). Modules whose own forward
-            they do not reproduce bit for bit keep it.
+            the ops' torch path does not reproduce bit for bit keep it. On CUDA the ops run fused
+            Triton kernels, which may differ from the torch path in the last bits of fp32 statistics.
         lm_loss_chunk: when set (tokens, e.g. 16384), a forward with ``labels`` computes the causal-LM
             loss that many tokens at a time (``kernels.chunked_cross_entropy``) instead of building the
             ``[B, T, vocab]`` logits, and returns ``logits=None``. ``None``: the model's own loss.

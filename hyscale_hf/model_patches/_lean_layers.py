@@ -5,8 +5,10 @@ Transformers' RMSNorm keeps an fp32 copy of its input and the MLP keeps four ten
 intermediate width. ``kernels.rms_norm`` / ``kernels.swiglu_mlp`` compute the same forward bits and
 keep less. A module gets the lean forward only when it is one of these shapes (Transformers'
 ``*RMSNorm`` with ``weight`` and ``variance_epsilon``; an MLP of bias-free ``gate_proj``, ``up_proj``,
-``down_proj`` ``nn.Linear`` with a SiLU ``act_fn``, torch's or Transformers') AND its lean forward reproduces its own forward
-bit for bit on a probe input; anything else (Gemma-style ``1 + weight`` norms, GELU MLPs, quantised
+``down_proj`` ``nn.Linear`` with a SiLU ``act_fn``, torch's or Transformers') AND the lean op's torch path
+reproduces its own forward bit for bit on a probe input (the torch path: on CUDA the lean forward runs
+the ops' Triton kernels, which round as the torch path does but may differ in the last bits of fp32
+statistics, so a bit-for-bit probe of them would refuse modules that compute the same function); anything else (Gemma-style ``1 + weight`` norms, GELU MLPs, quantised
 or meta weights, modules that already carry an instance forward such as accelerate hooks) keeps its
 own forward. A projection wrapped later (PEFT LoRA) sends the MLP back to its own forward at call time.
 """
@@ -34,6 +36,14 @@ def _lean_mlp_forward(self, x, *args, **kwargs):
     return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
+def _torch_norm_forward(self, hidden_states):
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend="torch")
+
+
+def _torch_mlp_forward(self, x):
+    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, backend="torch")
+
+
 def _is_rms_norm(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
     return (
@@ -56,7 +66,7 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
 
 @torch.no_grad()
 def _same_bits(m: nn.Module, lean, width: int, dtype: torch.dtype, device) -> bool:
-    """The lean forward gives ``m``'s own output bit for bit on a random probe input."""
+    """``lean`` (the lean op's torch path) gives ``m``'s own output bit for bit on a random probe input."""
     if device.type == "meta":
         return False
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -89,12 +99,12 @@ def apply_lean_layers(model: nn.Module, state: PatchState) -> _LeanUndo:
         if "forward" in m.__dict__:  # an instance forward is already there (accelerate hook, another patch)
             continue
         if _is_rms_norm(m):
-            lean, width, ref = _lean_norm_forward, m.weight.shape[0], m.weight
+            lean, probe, width, ref = _lean_norm_forward, _torch_norm_forward, m.weight.shape[0], m.weight
         elif _is_swiglu_mlp(m):
-            lean, width, ref = _lean_mlp_forward, m.gate_proj.weight.shape[1], m.gate_proj.weight
+            lean, probe, width, ref = _lean_mlp_forward, _torch_mlp_forward, m.gate_proj.weight.shape[1], m.gate_proj.weight
         else:
             continue
-        if _same_bits(m, lean, width, ref.dtype, ref.device):
+        if _same_bits(m, probe, width, ref.dtype, ref.device):
             m.forward = types.MethodType(lean, m)
             undo.modules.append(m)
     return undo

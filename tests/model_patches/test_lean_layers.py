@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import hyscale_hf
+from hyscale_hf.model_patches import _lean_layers
 from hyscale_hf.model_patches._lean_layers import apply_lean_layers
 from hyscale_hf.state import PatchState
 
@@ -116,3 +117,17 @@ def test_modules_whose_forward_differs_keep_their_own():
     model = nn.Sequential(GemmaStyleRMSNorm(8), GeluMLP(8))
     undo = apply_lean_layers(model, PatchState(config=hyscale_hf.HyScaleConfig(), family=None))
     assert not lean_modules(model) and not undo.modules
+
+
+def test_the_probe_checks_the_ops_torch_path(monkeypatch):
+    # On CUDA the lean forward runs the Triton kernels, whose fp32 statistics may differ from torch's in
+    # the last bits: the bit-for-bit probe runs the ops' torch path, so such norms still get it.
+    real = _lean_layers.rms_norm
+
+    def an_ulp_off_unless_torch(x, weight, eps, backend="auto"):
+        y = real(x, weight, eps, backend="torch")
+        return y if backend == "torch" else torch.nextafter(y, torch.full_like(y, float("inf")))
+
+    monkeypatch.setattr(_lean_layers, "rms_norm", an_ulp_off_unless_torch)
+    names = lean_modules(hyscale_hf.patch_model(build_llama(), topk=8))
+    assert any("input_layernorm" in n for n in names) and any("model.norm" in n for n in names), names
