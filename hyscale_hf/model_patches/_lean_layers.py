@@ -15,6 +15,7 @@ own forward. A projection wrapped later (PEFT LoRA) sends the MLP back to its ow
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -26,14 +27,14 @@ from ..state import PatchState
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _lean_norm_forward(self, hidden_states):
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+def _lean_norm_forward(self, hidden_states, backend="auto"):
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=backend)
 
 
-def _lean_mlp_forward(self, x, *args, **kwargs):
+def _lean_mlp_forward(self, x, *args, backend="auto", **kwargs):
     if args or kwargs or any(type(getattr(self, name)) is not nn.Linear for name in _PROJECTIONS):
         return type(self).forward(self, x, *args, **kwargs)  # e.g. PEFT wrapped a projection after patching
-    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, backend=backend)
 
 
 def _torch_norm_forward(self, hidden_states):
@@ -105,6 +106,8 @@ def apply_lean_layers(model: nn.Module, state: PatchState) -> _LeanUndo:
         else:
             continue
         if _same_bits(m, probe, width, ref.dtype, ref.device):
-            m.forward = types.MethodType(lean, m)
+            # the ops' backend is the patch's (HyScaleConfig.backend): "torch" keeps them off the kernels
+            forward = functools.update_wrapper(functools.partial(lean, backend=state.config.backend), lean)
+            m.forward = types.MethodType(forward, m)
             undo.modules.append(m)
     return undo

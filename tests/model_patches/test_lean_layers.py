@@ -131,3 +131,15 @@ def test_the_probe_checks_the_ops_torch_path(monkeypatch):
     monkeypatch.setattr(_lean_layers, "rms_norm", an_ulp_off_unless_torch)
     names = lean_modules(hyscale_hf.patch_model(build_llama(), topk=8))
     assert any("input_layernorm" in n for n in names) and any("model.norm" in n for n in names), names
+
+
+def test_the_lean_forwards_follow_the_patch_backend(monkeypatch):
+    # patch_model(backend="torch") keeps every op off the kernels, the lean norms and MLPs included.
+    seen = []
+    real_norm, real_mlp = _lean_layers.rms_norm, _lean_layers.swiglu_mlp
+    monkeypatch.setattr(_lean_layers, "rms_norm", lambda *a, backend="auto": seen.append(backend) or real_norm(*a, backend=backend))
+    monkeypatch.setattr(_lean_layers, "swiglu_mlp", lambda *a, backend="auto": seen.append(backend) or real_mlp(*a, backend=backend))
+    model = hyscale_hf.patch_model(build_llama(), topk=8, backend="torch")
+    seen.clear()
+    model(input_ids=tokens(1, 16))
+    assert seen and set(seen) == {"torch"}
