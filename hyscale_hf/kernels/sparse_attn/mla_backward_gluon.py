@@ -18,9 +18,10 @@ one program (one query token, 64 heads) runs three warpgroups:
   P = exp2(S * scale * log2 e - lse) and dS = P * (dP - delta), writes ``scale * dS`` to the dS
   buffer, and hands P and ``scale * dS`` (bf16/fp16) to the other two through shared memory;
 - two contribution warpgroups each own 256 of the 512 value columns: C = (scale dS)^T Q[:, cols] +
-  P^T dO[:, cols], a [64 keys, 256] fp32 tile in the tensor cores' accumulator layout, whose rows are
-  key rows: each thread adds pairs of adjacent columns of two rows (vector atomics). The second
-  also owns the 64 rope columns ((scale dS)^T Q_rope).
+  P^T dO[:, cols], a [64 keys, 256] fp32 tile whose rows are key rows. The accumulator layout gives
+  each thread pairs of adjacent columns; a conversion within each warp (shuffles, no shared memory)
+  gives it 4, so each atomic adds 16 bytes. The second also owns the 64 rope columns
+  ((scale dS)^T Q_rope).
 
 So a block's gather and S / dP overlap the previous block's contributions and atomics, which bound
 the kernel (H200: fp32 atomics into key rows move about 3.7 TB/s, and every pair adds 2.3 KB).
@@ -170,23 +171,32 @@ def _contribution_partition(
     # the accumulators are overwritten each block (use_acc=False): the previous block's tile is the
     # operand, so no second [64, 256] fp32 tile (128 registers a thread) stays live as a zero
     c = gl.zeros([BLOCK, HALF_V], gl.float32, MMA)
-    keys = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
-    cols = COL0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, MMA))
+    # the atomics' layout: each thread 4 adjacent columns of 2 rows (16-byte vector atomics); each warp
+    # keeps the accumulator's 16 rows, so the conversion moves values within warps only (shuffles)
+    RED: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
+        lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[BLOCK, HALF_V],
+    )
+    keys_red = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, RED))
+    cols = COL0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, RED))
     if WITH_ROPE:
         r = gl.zeros([BLOCK, D_ROPE], gl.float32, ROPE)
-        keys_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, ROPE))
         cols_r = D_V + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE))
-    kid = _block_keys(idx_base, count, 0, keys)
+    kid = _block_keys(idx_base, count, 0, keys_red)
     for j in range(n_blocks):
-        kid_next = _block_keys(idx_base, count, j + 1, keys)  # its latency hidden by the wait and products
+        kid_next = _block_keys(idx_base, count, j + 1, keys_red)  # its latency hidden by the wait and products
         mbarrier.wait(bars.index(_PDS_READY), j & 1)
         ds_t = ds_smem.permute((1, 0))  # [keys, heads]
         c = warpgroup_mma(ds_t, q_smem.slice(COL0, HALF_V, dim=1), c, use_acc=False, is_async=True)
         c = warpgroup_mma(p_smem.permute((1, 0)), do_smem.slice(COL0, HALF_V, dim=1), c, is_async=True)
         c = warpgroup_mma_wait(0, deps=[c])
+        c_red = gl.convert_layout(c, RED)
         dst = acc_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_at
         if WITH_ROPE:  # the rope tile only after the value tile's atomics: both live would spill
-            gl.atomic_add(dst + cols[None, :], c, mask=(kid >= 0)[:, None], sem="relaxed")
+            gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
             r = warpgroup_mma(ds_t, q_rope_smem, r, use_acc=False)
             _sync_partition()
             mbarrier.arrive(bars.index(_PDS_FREE), count=1)
@@ -196,7 +206,7 @@ def _contribution_partition(
         else:
             _sync_partition()
             mbarrier.arrive(bars.index(_PDS_FREE), count=1)
-            gl.atomic_add(dst + cols[None, :], c, mask=(kid >= 0)[:, None], sem="relaxed")
+            gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
         kid = kid_next
 
 

@@ -41,11 +41,11 @@ def test_fits_one_sm(sm90_build):
 
 def test_warpgroups_are_specialised(sm90_build):
     # cp.async gathers, wgmma products (m64n64 for S / dP, m64n256 for the contributions), and the
-    # contributions added as pairs of adjacent fp32 columns
+    # value columns added 4 adjacent fp32 at a time (the rope tile in pairs)
     assert_warp_specialised(
         sm90_build,
         r"cp\.async",
         r"wgmma\.mma_async\.sync\.aligned\.m64n64k16",
         r"wgmma\.mma_async\.sync\.aligned\.m64n256k16",
-        r"red\.global\.[a-z.]*add\.v2\.f32",
+        r"red\.global\.[a-z.]*add\.v4\.f32",
     )
