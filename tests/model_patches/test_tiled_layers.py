@@ -157,9 +157,11 @@ def test_live_tile_tokens_and_the_dense_warm_up():
 def test_eval_forward_with_tiles_gives_the_same_logits(model_type):
     ref = _patched(model_type, checkpointing=False).eval()
     model = _patched(model_type, checkpointing=False, tile_tokens=TILE).eval()
+    # fp32 logits of order 1: a token tile's matmuls have fewer rows, and the CPU BLAS may block them
+    # differently (on some machines a few elements move by 3e-6)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=_ids()).logits, ref(input_ids=_ids()).logits,
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_unpatch_removes_the_tiled_mlp_forwards():
