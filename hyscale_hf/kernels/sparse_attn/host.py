@@ -1,7 +1,8 @@
 """Host code of the Triton sparse attention: launch configs, key lists, forward and backward launches.
 
 Kernels: ``triton_kernels.py`` (the design is described there) and, for MLA on sm_90, the Gluon
-forward (``mla_forward_gluon.py``) and the Gluon dS + dK/dV part of the backward (``mla_backward_gluon.py``). The autograd wrappers (``op.py``, ``mla.py``) call ``sparse_attention_fwd``
+forward (``mla_forward_gluon.py``) and the Gluon dS + dK/dV part of the backward
+(``mla_backward_gluon.py``). The autograd wrappers (``op.py``, ``mla.py``) call ``sparse_attention_fwd``
 and ``sparse_attention_bwd``; ``SparseAttentionConfig`` chooses tile shapes and kernel variants.
 """
 
@@ -156,13 +157,14 @@ def _gluon_mla_forward_applies(
 def _gluon_mla_backward_applies(q, k, v_from_k: bool, lists: KeyLists, o, do, deterministic: bool,
                                 config: SparseAttentionConfig) -> bool:
     """The Hopper dS + dK/dV kernel (``mla_backward_gluon``) takes what the Gluon forward takes, with
-    o and dO in the same row form (unit inner stride, 16-byte aligned rows), for the atomic backward;
-    ``SparseAttentionConfig(mla_gluon_bwd=False)`` turns it off."""
+    o and dO in q's dtype (the kernel reads them as such) and the same row form (unit inner stride,
+    16-byte aligned rows), for the atomic backward; ``SparseAttentionConfig(mla_gluon_bwd=False)``
+    turns it off."""
     if mla_backward_gluon is None or deterministic or not config.mla_gluon_bwd:
         return False
     if not _gluon_mla_forward_applies(q, k, v_from_k, lists, dataclasses.replace(config, mla_gluon=True)):
         return False
-    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
+    return all(t.dtype == q.dtype and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
                for t in (o, do))
 
 
