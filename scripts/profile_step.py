@@ -34,7 +34,7 @@ from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, sync
 # First match wins. Kernel names of this package's Triton kernels, cuBLAS / CUTLASS matmuls, flash /
 # cuDNN attention, and the aten ops a CPU profile lists.
 CATEGORIES = (
-    ("sparse attention backward", r"sparse_attn_bwd|scratch_reduce"),
+    ("sparse attention backward", r"sparse_attn_bwd|mla_backward|scratch_reduce"),
     ("sparse attention forward", r"sparse_attn_fwd|mla_forward|_pv_|_softmax_partition"),
     ("indexer KL", r"indexer_kl|attn_lse_kernel"),
     ("HyTopK", r"hytopk|row_extent|hyscale::hytopk"),

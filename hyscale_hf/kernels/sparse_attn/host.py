@@ -136,9 +136,6 @@ def _gluon_mla_forward_applies(
     ``SparseAttentionConfig(mla_gluon=False)`` turns it off (the Triton forward then runs)."""
     if mla_forward_gluon is None or not q.is_cuda or run.tile_q or not config.mla_gluon:
         return False
-    rows_aligned = all(t.data_ptr() % 16 == 0 for t in (q, k)) and all(
-        st % 8 == 0 for st in (*q.stride()[:3], k.stride(0), k.stride(1))
-    )
     return (
         torch.cuda.get_device_capability(q.device) == (9, 0)
         and q.dtype in (torch.bfloat16, torch.float16)
@@ -147,10 +144,9 @@ def _gluon_mla_forward_applies(
         and k.shape[2] == 1
         and q.shape[2] % 64 == 0
         and q.shape[3] == 576
-        and q.stride(3) == 1
-        and k.stride(3) == 1
         and run.idx.stride(2) == 1
-        and rows_aligned
+        and _rows_aligned(q)
+        and _rows_aligned(k)
     )
 
 
@@ -164,8 +160,25 @@ def _gluon_mla_backward_applies(q, k, v_from_k: bool, lists: KeyLists, o, do, de
         return False
     if not _gluon_mla_forward_applies(q, k, v_from_k, lists, dataclasses.replace(config, mla_gluon=True)):
         return False
-    return all(t.dtype == q.dtype and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
-               for t in (o, do))
+    return all(t.dtype == q.dtype and _rows_aligned(t) for t in (o, do))
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Rows the Gluon kernels' 16-byte copies can move: a 16-byte aligned start, unit inner stride,
+    and every other stride a multiple of 8 elements, except where the dim has size 1. That exception
+    matters: the model's output gradient arrives as a permuted view whose size-1 batch dim has stride 1.
+    Pass such tensors through ``_unit_dims_zeroed`` so the kernel never sees that stride."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all(st % 8 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+
+
+def _unit_dims_zeroed(t: torch.Tensor) -> torch.Tensor:
+    """The same elements with stride 0 on dims of size 1 (only index 0 is ever read there): the
+    Gluon kernels then see strides that keep every row address 16-byte aligned."""
+    if all(n > 1 for n in t.shape):
+        return t
+    return t.as_strided(t.shape, tuple(0 if n == 1 else st for st, n in zip(t.stride(), t.shape)))
 
 
 def triton_dtype_reason(q, k, v) -> str | None:
@@ -327,7 +340,8 @@ def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttention
         # takes the tiles: there a key's contributions sum in registers before one atomic add.)
         run = token_lists(indices)
     if _gluon_mla_forward_applies(q, k, v_from_k, run, config):
-        mla_forward_gluon.mla_forward(q, k, run.idx, run.num, scale * _LOG2E, o, lse)
+        z = _unit_dims_zeroed
+        mla_forward_gluon.mla_forward(z(q), z(k), run.idx, run.num, scale * _LOG2E, o, lse)
         return o, lse, lists
     L = run.idx.shape[2]
     if run.tile_q:
@@ -397,8 +411,9 @@ def sparse_attention_bwd(
     for t0 in range(0, units, chunk):
         count = min(chunk, units - t0)
         if gluon_dkv:
+            z = _unit_dims_zeroed
             mla_backward_gluon.mla_backward_dkv(
-                q, k, idx, lists.num, o, do, lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E
+                z(q), z(k), idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E
             )
         elif split:
             args = (

@@ -194,3 +194,33 @@ def test_mla_gluon_backward_matches_triton_backward(monkeypatch, T, H, dtype):
         err = rel_err(g, g_t)
         assert err < 5e-3, f"{name}: relative error {err:.2e}"
     assert grads[0][0, 5].abs().max().item() == 0
+
+
+@pytest.mark.skipif(
+    host.mla_backward_gluon is None
+    or not torch.cuda.is_available()
+    or torch.cuda.get_device_capability() != (9, 0),
+    reason="the Gluon MLA backward is sm_90 only",
+)
+def test_mla_gluon_backward_takes_the_models_permuted_output_gradient(monkeypatch):
+    # In the patched model dO reaches the attention as a view of [H, S, D] storage whose size-1
+    # batch dim has stride 1; the Gluon dK/dV kernel must still take it, and agree with the Triton
+    # backward fed the same gradient in contiguous form.
+    T, H = 4096, 64
+    q, k, _, do, _ = make_inputs(T, H, 1, 576, 512, mla=True)
+    base = do[0].transpose(0, 1).contiguous()
+    do_perm = base.as_strided((1, T, H, 512), (1, 512, T * 512, 1))
+    assert do_perm.stride(0) == 1 and torch.equal(do_perm, do)
+    idx = selection(T)
+    calls = []
+    real = host.mla_backward_gluon.mla_backward_dkv
+    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a: calls.append(1) or real(*a))
+    o = sparse_attention(q, k, k[..., :512], idx, backend="triton")
+    grads = torch.autograd.grad(o, [q, k], grad_outputs=do_perm)
+    assert calls, "the Gluon dK/dV kernel did not take the permuted output gradient"
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(mla_gluon_bwd=False))
+    o_t = sparse_attention(q, k, k[..., :512], idx, backend="triton")
+    grads_t = torch.autograd.grad(o_t, [q, k], grad_outputs=do.contiguous())
+    for name, g, g_t in zip(("dq", "dk"), grads, grads_t):
+        err = rel_err(g, g_t)
+        assert err < 5e-3, f"{name}: relative error {err:.2e}"

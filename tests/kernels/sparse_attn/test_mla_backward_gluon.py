@@ -8,11 +8,12 @@ Its results are checked against the fp32 reference and the Triton kernel by the 
 """
 
 import pytest
+import torch
 
 from hyscale_hf.kernels.sparse_attn import host
 from tests.support.sm90_build import SM90_SHARED_BYTES, assert_warp_specialised, build_sm90
 
-pytestmark = pytest.mark.skipif(host.mla_backward_gluon is None, reason="needs Triton with Gluon's Hopper ops")
+needs_gluon = pytest.mark.skipif(host.mla_backward_gluon is None, reason="needs Triton with Gluon's Hopper ops")
 
 PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr="*bf16", do_ptr="*bf16",
             lse_ptr="*fp32", dlse_ptr="*fp32", ds_ptr="*bf16", acc_ptr="*fp32")
@@ -34,11 +35,13 @@ def sm90_build(request):
     )
 
 
+@needs_gluon
 def test_fits_one_sm(sm90_build):
     assert sm90_build["shared"] <= SM90_SHARED_BYTES
     assert "LOCAL:0" in sm90_build["usage"]
 
 
+@needs_gluon
 def test_warpgroups_are_specialised(sm90_build):
     # cp.async gathers, wgmma products (m64n64 for S / dP, m64n256 for the contributions), and the
     # value columns added 4 adjacent fp32 at a time (the rope tile in pairs)
@@ -49,3 +52,25 @@ def test_warpgroups_are_specialised(sm90_build):
         r"wgmma\.mma_async\.sync\.aligned\.m64n256k16",
         r"red\.global\.[a-z.]*add\.v4\.f32",
     )
+
+
+def test_rows_aligned_ignores_the_stride_of_size_one_dims():
+    # The model's output gradient: a view of [H, S, D] storage, batch stride 1 at B = 1.
+    H, S, D = 64, 16, 512
+    do = torch.empty(H * S * D, dtype=torch.bfloat16).as_strided((1, S, H, D), (1, D, S * D, 1))
+    assert host._rows_aligned(do)
+    assert not host._rows_aligned(torch.empty(2 * S * H * D + 1)[1:].view(2, S, H, D))  # start not 16-byte aligned
+    assert not host._rows_aligned(torch.empty(S, H, D + 4)[..., :D].unsqueeze(0))  # rows 516 apart: not a multiple of 8
+    assert not host._rows_aligned(torch.empty(1, S, D, H).transpose(2, 3))  # inner stride not 1
+    assert host._rows_aligned(torch.empty(2, S, H, D))
+
+
+def test_unit_dims_zeroed_keeps_the_elements_and_zeroes_only_size_one_strides():
+    H, S, D = 4, 8, 16
+    base = torch.randn(H, S, D)
+    do = base.as_strided((1, S, H, D), (1, D, S * D, 1))
+    z = host._unit_dims_zeroed(do)
+    assert z.stride() == (0, D, S * D, 1) and z.data_ptr() == do.data_ptr()
+    assert torch.equal(z, do)
+    full = torch.randn(2, S, H, D)
+    assert host._unit_dims_zeroed(full) is full
