@@ -11,8 +11,9 @@ from ..topk.naive import indexer_logits_block
 from ..windows import compute_dtype, query_chunk, query_windows, visible_mask
 
 
-def attention_target(attn_q, attn_k_sel, valid, scale, attn_lse):
-    """Head-summed, L1-normalised attention probabilities [..., K] over a key set (detached).
+def head_prob_sum(attn_q, attn_k_sel, valid, scale, attn_lse):
+    """Head-summed attention probabilities [B, c, K] over a key set, not normalised: each head's
+    probabilities from ``attn_lse`` (a non-finite lse counts as 0), or their softmax without it.
 
     attn_q [B, c, Hq, Dqk]; attn_k_sel [B, c, K, Hkv, Dqk] (per-query sets) or [B, K, Hkv, Dqk]
     (one key window shared by the chunk); valid [B, c, K]; attn_lse [B, c, Hq] (optional: the lse
@@ -31,8 +32,43 @@ def attention_target(attn_q, attn_k_sel, valid, scale, attn_lse):
         lse = attn_lse.to(dt)
         probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
         probs = probs.masked_fill(~valid[:, :, None, :], 0.0)
-    p = probs.sum(dim=2)
-    return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
+    return probs.sum(dim=2)
+
+
+def attention_target(attn_q, attn_k_sel, valid, scale, attn_lse):
+    """``head_prob_sum`` L1-normalised over the keys (the KL's p, detached by the callers)."""
+    p = head_prob_sum(attn_q, attn_k_sel, valid, scale, attn_lse)
+    return normalised(p)
+
+
+def normalised(p: torch.Tensor) -> torch.Tensor:
+    return p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+
+
+def attention_prob_sum_reference(attn_q, attn_k, indices, lse, scale):
+    """The sparse-stage target P [B, S, K] fp32: ``head_prob_sum`` on each query's selected keys."""
+    with torch.no_grad():
+        valid = indices >= 0
+        return head_prob_sum(attn_q, gather_keys(attn_k, indices), valid, scale, lse).float()
+
+
+def selected_index_logits(index_q, index_k, index_w, indices, relu):
+    """Indexer logits I [B, S, K] on each query's selected keys (0 on slots with index -1)."""
+    k_sel = gather_keys(index_k, indices)  # [B, S, K, D]
+    dt = compute_dtype(index_q, index_k, index_w)
+    logits = torch.einsum("bshd,bskd->bshk", index_q.to(dt), k_sel.to(dt))
+    if relu:
+        logits = logits.clamp_min(0)
+    return (logits * index_w.to(dt)[..., None]).sum(2)
+
+
+def indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, *, relu=True, reduction="mean"):
+    """``indexer_kl_loss_reference``'s sparse stage with the target P [B, S, K] given (unnormalised,
+    detached; slots with index -1 count as 0)."""
+    valid = indices >= 0
+    index_logits = selected_index_logits(index_q, index_k, index_w, indices, relu)
+    p = normalised(torch.where(valid, target.detach().to(index_logits.dtype), 0.0))
+    return reduce_kl(kl_rows(p, index_logits, valid), valid.any(-1), reduction)
 
 
 def kl_rows(p: torch.Tensor, index_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -73,12 +109,7 @@ def indexer_kl_loss_reference(
     T = index_k.shape[1]
     if indices is not None:
         valid = indices >= 0
-        k_sel = gather_keys(index_k, indices)  # [B, S, K, D]
-        dt = compute_dtype(index_q, index_k, index_w)
-        logits = torch.einsum("bshd,bskd->bshk", index_q.to(dt), k_sel.to(dt))
-        if relu:
-            logits = logits.clamp_min(0)
-        index_logits = (logits * index_w.to(dt)[..., None]).sum(2)
+        index_logits = selected_index_logits(index_q, index_k, index_w, indices, relu)
         with torch.no_grad():
             p = attention_target(attn_q, gather_keys(attn_k, indices), valid, scale, attn_lse)
         kl = kl_rows(p.to(index_logits.dtype), index_logits, valid)

@@ -24,7 +24,12 @@ from ..checks import (
 from . import triton_kernels as kernels
 from .masked_dense import fits as masked_dense_fits
 from .masked_dense import indexer_kl_masked_dense
-from .naive import indexer_kl_loss_reference, reduce_kl
+from .naive import (
+    attention_prob_sum_reference,
+    indexer_kl_given_target_reference,
+    indexer_kl_loss_reference,
+    reduce_kl,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -116,27 +121,62 @@ def attention_lse_triton(attn_q, attn_k, indices, scale, *, config=None):
     return lse
 
 
-def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse, scale, relu,
-                              *, save_target=True, config=None):
-    """Per-query KL [B, S] fp32, plus (P [B, S, K] fp32 or None, Z [B, S], lseI [B, S]) for backward."""
-    index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
+def _finite_lse(attn_lse: torch.Tensor) -> torch.Tensor:
+    # As the reference: a non-finite lse (a query without keys) counts as 0.
+    return torch.where(torch.isfinite(attn_lse), attn_lse, torch.zeros_like(attn_lse)).float().contiguous()
+
+
+def attention_prob_sum_triton(attn_q, attn_k, indices, lse, scale, *, config=None):
+    """The target P [B, S, K] fp32 alone (``attn_prob_sum_kernel``)."""
     attn_q, attn_k = _common_dtype("attn_q", attn_q, "attn_k", attn_k)
-    index_q, index_k, attn_q, attn_k = map(_last_dim_contiguous, (index_q, index_k, attn_q, attn_k))
+    attn_q, attn_k = _last_dim_contiguous(attn_q), _last_dim_contiguous(attn_k)
+    indices = indices.contiguous()
+    B, S, Hq, Dqk = attn_q.shape
+    Hkv, K = attn_k.shape[2], indices.shape[2]
+    target = torch.empty(B, S, K, dtype=torch.float32, device=attn_q.device)
+    if B * S == 0:
+        return target
+    cfg = _launch_config("lse", attn_q.device, config, Dqk)  # the lse pass's loop nest and tiles
+    kernels.attn_prob_sum_kernel[(S, B)](
+        indices, attn_q, attn_k, _finite_lse(lse), target,
+        S, K, Dqk, Hq // Hkv, Hkv,
+        indices.stride(0), indices.stride(1), *attn_q.stride()[:3], *attn_k.stride()[:3],
+        scale * _LOG2E,
+        BLOCK_G=_pow2(Hq // Hkv), PRECISION=_precision(attn_q.dtype), **cfg,
+    )
+    return target
+
+
+def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse, scale, relu,
+                              *, save_target=True, config=None, target=None):
+    """Per-query KL [B, S] fp32, plus (P [B, S, K] fp32 or None, Z [B, S], lseI [B, S]) for backward.
+    With ``target`` (P given, fp32 [B, S, K]) the attention tensors are not read (pass None for them,
+    and for attn_lse) and P is returned as given."""
+    index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
+    index_q, index_k = map(_last_dim_contiguous, (index_q, index_k))
     index_w = _last_dim_contiguous(index_w.float())
     indices = indices.contiguous()
     B, S, H, D = index_q.shape
     K = indices.shape[2]
-    Hq, Dqk = attn_q.shape[2:]
-    Hkv = attn_k.shape[2]
     dev = index_q.device
-    if attn_lse is None:
-        attn_lse = attention_lse_triton(attn_q, attn_k, indices, scale, config=config)
-    # As the reference: a non-finite lse (a query without keys) counts as 0.
-    lse = torch.where(torch.isfinite(attn_lse), attn_lse, torch.zeros_like(attn_lse)).float().contiguous()
     kl = torch.empty(B, S, dtype=torch.float32, device=dev)
     z = torch.empty(B, S, dtype=torch.float32, device=dev)
     lse_i = torch.empty(B, S, dtype=torch.float32, device=dev)
-    target = torch.empty(B, S, K, dtype=torch.float32, device=dev) if save_target else kl
+    p_given = target is not None
+    if p_given:
+        target = target.float().contiguous()
+        # the attention arguments are unread under P_GIVEN: stand-ins of the right types
+        attn_q, attn_k, lse, scale = index_q[:, :, :1, :1], index_k[:, :, None, :1], kl[..., None], 1.0
+        save_target = True
+    else:
+        attn_q, attn_k = _common_dtype("attn_q", attn_q, "attn_k", attn_k)
+        attn_q, attn_k = _last_dim_contiguous(attn_q), _last_dim_contiguous(attn_k)
+        if attn_lse is None:
+            attn_lse = attention_lse_triton(attn_q, attn_k, indices, scale, config=config)
+        lse = _finite_lse(attn_lse)
+        target = torch.empty(B, S, K, dtype=torch.float32, device=dev) if save_target else kl
+    Hq, Dqk = attn_q.shape[2:]
+    Hkv = attn_k.shape[2]
     if B * S == 0:
         return kl, (target if save_target else None), z, lse_i
     cfg = _launch_config("fwd", dev, config, Dqk)
@@ -147,7 +187,7 @@ def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices
         *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
         *attn_q.stride()[:3], *attn_k.stride()[:3],
         scale * _LOG2E,
-        RELU=relu, STORE_P=save_target,
+        RELU=relu, STORE_P=save_target, P_GIVEN=p_given,
         BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), BLOCK_G=_pow2(Hq // Hkv),
         PRECISION_I=_precision(index_q.dtype), PRECISION_A=_precision(attn_q.dtype), **cfg,
     )
@@ -209,6 +249,29 @@ class _IndexerKLSparse(torch.autograd.Function):
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dw if need[2] else None,
                 None, None, None, None, None, None, None)
+
+
+class _IndexerKLGivenTarget(torch.autograd.Function):
+    """Per-query KL [B, S] with the target P given; gradients to index_q, index_k, index_w only."""
+
+    @staticmethod
+    def forward(ctx, index_q, index_k, index_w, indices, target, relu, config):
+        kl, target, z, lse_i = indexer_kl_forward_triton(
+            index_q, index_k, index_w, None, None, indices, None, None, relu, config=config, target=target
+        )
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(index_q, index_k, index_w, indices, target, z, lse_i)
+        ctx.relu, ctx.config = relu, config
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        index_q, index_k, index_w, indices, target, z, lse_i = ctx.saved_tensors
+        dq, dk, dw = indexer_kl_backward_triton(
+            grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config
+        )
+        need = ctx.needs_input_grad
+        return dq if need[0] else None, dk if need[1] else None, dw if need[2] else None, None, None, None, None
 
 
 def indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, *, attn_lse, scale, relu,
@@ -281,17 +344,7 @@ def indexer_kl_loss(
     ``dI * w`` to the tensor cores in the inputs' dtype (bf16/fp16 rounding, as ``dS`` in flash
     attention); fp32 inputs use exact fp32 products.
     """
-    check_tensor("index_q", index_q, 4, "[B, S, H, D]")
-    B, S, H, D = index_q.shape
-    kdoc = f"[B={B}, T, D={D}]"
-    check_tensor("index_k", index_k, 3, kdoc)
-    check_dim("index_k", index_k, 0, B, kdoc)
-    check_dim("index_k", index_k, 2, D, kdoc)
-    T = index_k.shape[1]
-    wdoc = f"[B={B}, S={S}, H={H}] float32"
-    check_tensor("index_w", index_w, 3, wdoc, dtypes=(torch.float32, torch.float64))
-    for dim, size in ((0, B), (1, S), (2, H)):
-        check_dim("index_w", index_w, dim, size, wdoc)
+    B, S, H, D, T = _check_index_tensors(index_q, index_k, index_w)
     check_tensor("attn_q", attn_q, 4, f"[B={B}, S={S}, Hq, Dqk]")
     check_dim("attn_q", attn_q, 0, B, f"[B={B}, S={S}, Hq, Dqk]")
     check_dim("attn_q", attn_q, 1, S, f"[B={B}, S={S}, Hq, Dqk]")
@@ -339,3 +392,114 @@ def indexer_kl_loss(
         index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse=attn_lse, scale=scale, relu=relu,
         cu_seqlens=cu_seqlens, window_start=window_start, reduction=reduction,
     )
+
+
+def _check_index_tensors(index_q, index_k, index_w):
+    """(B, S, H, D, T) of the indexer's outputs, after their checks."""
+    check_tensor("index_q", index_q, 4, "[B, S, H, D]")
+    B, S, H, D = index_q.shape
+    kdoc = f"[B={B}, T, D={D}]"
+    check_tensor("index_k", index_k, 3, kdoc)
+    check_dim("index_k", index_k, 0, B, kdoc)
+    check_dim("index_k", index_k, 2, D, kdoc)
+    wdoc = f"[B={B}, S={S}, H={H}] float32"
+    check_tensor("index_w", index_w, 3, wdoc, dtypes=(torch.float32, torch.float64))
+    for dim, size in ((0, B), (1, S), (2, H)):
+        check_dim("index_w", index_w, dim, size, wdoc)
+    return B, S, H, D, index_k.shape[1]
+
+
+def attention_prob_sum(
+    attn_q: torch.Tensor,
+    attn_k: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    *,
+    backend: str = "auto",
+    config: IndexerKLConfig | None = None,
+    check_range: bool = True,
+) -> torch.Tensor:
+    """The sparse-stage KL target ``P[b, s, j] = sum_h exp(scale * attn_q[b, s, h] . attn_k[b, idx, g(h)]
+    - lse[b, s, h])`` with ``idx = indices[b, s, j]`` (0 where it is -1; a non-finite lse counts as 0),
+    as ``indexer_kl_loss_given_target`` takes it: ``indexer_kl_loss``'s attention part as a pass of its own.
+
+    Args:
+        attn_q: ``[B, S, Hq, Dqk]``; attn_k: ``[B, T, Hkv, Dqk]``; indices: int32 ``[B, S, K]``;
+        lse: fp32 ``[B, S, Hq]``, the attention's log-sum-exp over the same keys.
+        backend, config, check_range: as in ``indexer_kl_loss`` (``config.lse``'s tiles).
+
+    Returns:
+        ``P`` fp32 ``[B, S, K]``, without gradient.
+    """
+    check_tensor("attn_q", attn_q, 4, "[B, S, Hq, Dqk]")
+    B, S, Hq, Dqk = attn_q.shape
+    adoc = f"[B={B}, T, Hkv, Dqk={Dqk}]"
+    check_tensor("attn_k", attn_k, 4, adoc)
+    check_dim("attn_k", attn_k, 0, B, adoc)
+    check_dim("attn_k", attn_k, 3, Dqk, adoc)
+    if Hq % attn_k.shape[2]:
+        raise ValueError(f"attn_q has Hq = {Hq} heads, not a multiple of attn_k's Hkv = {attn_k.shape[2]}")
+    ldoc = f"[B={B}, S={S}, Hq={Hq}] float32"
+    check_tensor("lse", lse, 3, ldoc, dtypes=(torch.float32, torch.float64))
+    for dim, size in ((0, B), (1, S), (2, Hq)):
+        check_dim("lse", lse, dim, size, ldoc)
+    check_same_device(attn_q=attn_q, attn_k=attn_k, indices=indices, lse=lse)
+    check_indices(indices, B, S, attn_k.shape[1], check_range=check_range)
+    attn_q, attn_k, lse = attn_q.detach(), attn_k.detach(), lse.detach()
+    kernel_dtypes = all(t.dtype in _TRITON_DTYPES for t in (attn_q, attn_k))
+    if backend == "triton" and not kernel_dtypes:
+        raise ValueError("backend='triton' takes fp16/bf16/fp32 attn_q/attn_k; float64 needs backend='torch'")
+    if resolve_backend(backend, attn_q.device, kernel_dtypes) == "triton":
+        return attention_prob_sum_triton(attn_q, attn_k, indices, lse, scale, config=config)
+    return attention_prob_sum_reference(attn_q, attn_k, indices, lse, scale)
+
+
+def indexer_kl_loss_given_target(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    index_w: torch.Tensor,
+    indices: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    relu: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    config: IndexerKLConfig | None = None,
+    check_range: bool = True,
+):
+    """``indexer_kl_loss``'s sparse stage with its target given: ``KL(p[i] || softmax(I[i]))`` on each
+    query's selected keys, ``p = P / sum(P)`` from ``target`` (``attention_prob_sum``'s P, or the one
+    a sparse attention's backward left in a ``HeadProbs``). Only the indexer is scored.
+
+    Args:
+        index_q, index_k, index_w, relu, reduction, backend, config, check_range: as in ``indexer_kl_loss``.
+        indices: int32 ``[B, S, K]``; a slot with -1 counts as no key whatever ``target`` holds there (so
+            masking a query's indices to -1 drops it from the loss).
+        target: fp32 ``[B, S, K]``, unnormalised, read without gradient.
+
+    Returns:
+        The loss (fp32 scalar, or ``[B, S]`` with ``reduction="none"``), with the gradients of
+        ``indexer_kl_loss`` for the same target (Triton: the same kernels' backward).
+    """
+    B, S, H, D, T = _check_index_tensors(index_q, index_k, index_w)
+    tdoc = f"[B={B}, S={S}, K] float32"
+    check_tensor("target", target, 3, tdoc, dtypes=(torch.float32, torch.float64))
+    check_dim("target", target, 0, B, tdoc)
+    check_dim("target", target, 1, S, tdoc)
+    check_same_device(index_q=index_q, index_k=index_k, index_w=index_w, indices=indices, target=target)
+    check_indices(indices, B, S, T, check_range=check_range)
+    if target.shape[2] != indices.shape[2]:
+        raise ValueError(f"target has K = {target.shape[2]} slots but indices has {indices.shape[2]}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    kernel_dtypes = all(t.dtype in _TRITON_DTYPES for t in (index_q, index_k)) and target.dtype == torch.float32
+    if backend == "triton" and not kernel_dtypes:
+        raise ValueError("backend='triton' takes fp16/bf16/fp32 index_q/index_k and an fp32 target; "
+                         "use backend='torch' (the exact reference) for float64")
+    target = target.detach()
+    if resolve_backend(backend, index_q.device, kernel_dtypes) == "triton":
+        kl = _IndexerKLGivenTarget.apply(index_q, index_k, index_w, indices.contiguous(), target, relu, config)
+        return reduce_kl(kl, (indices >= 0).any(-1), reduction)
+    return indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, relu=relu,
+                                             reduction=reduction)

@@ -7,6 +7,10 @@ lseI = logsumexp_s I[s], the per-query loss is
 so one streaming pass over the K selected keys yields it (no second pass, no [S, T] table).
 The backward needs only p and softmax(I) per selected key: P is saved ([B, S, K] fp32, the only
 O(S * K) state) with Z and lseI per query, so the attention tensors are never read again.
+
+P can also come from elsewhere (``P_GIVEN``: the sparse attention's backward sums it over heads as
+it recomputes its probabilities; ``attn_prob_sum_kernel`` is that sum as a pass of its own): the
+forward then only scores the indexer.
 """
 
 import triton
@@ -95,6 +99,52 @@ def attn_lse_kernel(
 
 
 @triton.jit
+def _head_prob_sum_tile(aq_ptr, ak_ptr, lse_ptr, b, i, row, safe_idx, valid, offs_g, gmask, DQK, G, HKV,
+                        s_aq_b, s_aq_s, s_aq_h, s_ak_b, s_ak_t, s_ak_h, scale_log2,
+                        BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DA: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """P [BLOCK_K] of one selected-key tile: sum over the query heads of exp(scale q.k - lse) (lse a
+    finite fp32 [B, S, Hq] row, 0 standing in for a query without keys), 0 on invalid slots."""
+    p_un = tl.zeros((BLOCK_K,), tl.float32)
+    for g in range(0, HKV):
+        heads = g * G + offs_g
+        q_rows = b * s_aq_b + i * s_aq_s + heads.to(tl.int64) * s_aq_h
+        k_rows = b * s_ak_b + safe_idx * s_ak_t + g * s_ak_h
+        logits = _attn_logits_tile(aq_ptr, ak_ptr, q_rows, gmask, k_rows, valid, DQK,
+                                   BLOCK_G, BLOCK_K, BLOCK_DA, PRECISION)
+        lse = tl.load(lse_ptr + row * (HKV * G) + heads, mask=gmask, other=0.0)
+        prob = tl.exp2(logits * scale_log2 - lse[:, None] * 1.4426950408889634)
+        p_un += tl.sum(tl.where(gmask[:, None] & valid[None, :], prob, 0.0), axis=0)
+    return p_un
+
+
+@triton.jit
+def attn_prob_sum_kernel(
+    idx_ptr, aq_ptr, ak_ptr, lse_ptr, p_ptr,
+    S, K, DQK, G, HKV,
+    s_idx_b, s_idx_s, s_aq_b, s_aq_s, s_aq_h, s_ak_b, s_ak_t, s_ak_h,
+    scale_log2,
+    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DA: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The loss's target alone: P [B, S, K] fp32 of query (b, i) (program (i, b))."""
+    i = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    row = b * S + i
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < G
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        idx = tl.load(idx_ptr + b * s_idx_b + i * s_idx_s + offs_k, mask=kmask, other=-1)
+        valid = idx >= 0
+        safe_idx = tl.where(valid, idx, 0).to(tl.int64)
+        p_un = _head_prob_sum_tile(aq_ptr, ak_ptr, lse_ptr, b, i, row, safe_idx, valid, offs_g, gmask, DQK, G, HKV,
+                                   s_aq_b, s_aq_s, s_aq_h, s_ak_b, s_ak_t, s_ak_h, scale_log2,
+                                   BLOCK_G, BLOCK_K, BLOCK_DA, PRECISION)
+        tl.store(p_ptr + row * K + offs_k, p_un, mask=kmask)
+
+
+@triton.jit
 def indexer_kl_fwd_kernel(
     iq_ptr, ik_ptr, iw_ptr, idx_ptr, aq_ptr, ak_ptr, lse_ptr,
     kl_ptr, p_ptr, z_ptr, lsei_ptr,
@@ -102,10 +152,12 @@ def indexer_kl_fwd_kernel(
     s_iq_b, s_iq_s, s_iq_h, s_ik_b, s_ik_t, s_iw_b, s_iw_s, s_idx_b, s_idx_s,
     s_aq_b, s_aq_s, s_aq_h, s_ak_b, s_ak_t, s_ak_h,
     scale_log2,
-    RELU: tl.constexpr, STORE_P: tl.constexpr,
+    RELU: tl.constexpr, STORE_P: tl.constexpr, P_GIVEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_DA: tl.constexpr, PRECISION_I: tl.constexpr, PRECISION_A: tl.constexpr,
 ):
+    """Per-query KL, Z and lseI; P from the attention tensors (and stored with STORE_P), or with
+    P_GIVEN read from p_ptr (masked by the valid slots; the attention pointers are then unread)."""
     i = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = b * S + i
@@ -114,7 +166,6 @@ def indexer_kl_fwd_kernel(
     )
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < G
-    HQ = HKV * G
 
     m_i = tl.full((), float("-inf"), tl.float32)  # running max of I over valid keys
     l_i = tl.zeros((), tl.float32)  # running sum of exp(I - m_i)
@@ -129,17 +180,13 @@ def indexer_kl_fwd_kernel(
             qk = tl.maximum(qk, 0.0)
         logit_i = tl.sum(qk * w[:, None], axis=0)  # 0 on invalid keys (their k rows load as 0)
 
-        p_un = tl.zeros((BLOCK_K,), tl.float32)
-        for g in range(0, HKV):
-            heads = g * G + offs_g
-            q_rows = b * s_aq_b + i * s_aq_s + heads.to(tl.int64) * s_aq_h
-            k_rows = b * s_ak_b + safe_idx * s_ak_t + g * s_ak_h
-            logits = _attn_logits_tile(aq_ptr, ak_ptr, q_rows, gmask, k_rows, valid, DQK,
+        if P_GIVEN:
+            p_un = tl.load(p_ptr + row * K + offs_k, mask=valid, other=0.0)
+        else:
+            p_un = _head_prob_sum_tile(aq_ptr, ak_ptr, lse_ptr, b, i, row, safe_idx, valid, offs_g, gmask, DQK, G,
+                                       HKV, s_aq_b, s_aq_s, s_aq_h, s_ak_b, s_ak_t, s_ak_h, scale_log2,
                                        BLOCK_G, BLOCK_K, BLOCK_DA, PRECISION_A)
-            lse = tl.load(lse_ptr + row * HQ + heads, mask=gmask, other=0.0)
-            prob = tl.exp2(logits * scale_log2 - lse[:, None] * 1.4426950408889634)
-            p_un += tl.sum(tl.where(gmask[:, None] & valid[None, :], prob, 0.0), axis=0)
-        if STORE_P:
+        if STORE_P and not P_GIVEN:
             tl.store(p_ptr + row * K + offs_k, p_un, mask=kmask)
         z += tl.sum(p_un)
         a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0))

@@ -107,3 +107,26 @@ def test_dq_dw_deterministic_dk_close():
     _, _, second = _triton(tensors, idx, None, scale)
     assert torch.equal(first[0], second[0]) and torch.equal(first[2], second[2])
     assert _rel(first[1], second[1]) < 1e-3
+
+
+@pytest.mark.parametrize("attn", ["mla", "gqa"])
+def test_given_target_matches_the_loss_that_computes_it(attn):
+    """attention_prob_sum's target (against its fp32 reference) fed to indexer_kl_loss_given_target: the
+    loss and gradients of indexer_kl_loss on the same lse, bf16 at T = 4096."""
+    from hyscale_hf.kernels.indexer_kl import attention_prob_sum, indexer_kl_loss_given_target
+    from hyscale_hf.kernels.indexer_kl.naive import attention_prob_sum_reference
+
+    tensors, idx, scale = _setup(4096, attn, seed=7)
+    aq, ak = tensors[3:]
+    lse = _reference_lse(aq, ak, idx, scale)
+    target = attention_prob_sum(aq, ak, idx, lse, scale, backend="triton")
+    want_target = torch.cat([attention_prob_sum_reference(aq[:, c:c + 512].float(), ak.float(), idx[:, c:c + 512],
+                                                          lse[:, c:c + 512], scale) for c in range(0, 4096, 512)], 1)
+    assert _rel(target, want_target) < 1e-3
+    per_query, loss, grads = _triton(tensors, idx, lse, scale)
+    leaves = [t.clone().requires_grad_() for t in tensors[:3]]
+    got = indexer_kl_loss_given_target(*leaves, idx, target, backend="triton")
+    got.backward()
+    assert abs(got.item() - loss.item()) <= 1e-4 * abs(loss.item())
+    for name, a, b in zip(("index_q", "index_k", "index_w"), [t.grad for t in leaves], grads):
+        assert _rel(a, b) < 1e-2, name
