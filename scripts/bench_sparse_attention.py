@@ -107,7 +107,7 @@ def _gluon_runs(module, name, run):
     if module is None:
         return False
     calls, real = [], getattr(module, name)
-    setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     try:
         run()
     finally:
@@ -136,7 +136,7 @@ def bench_mla(T, K, idx, args):
             res["triton_fwd_ms"] = timed(sparse(False, triton_forward), budget_ms=args.budget_ms)
             res["triton_fwd_tflops"] = fwd_flop / res["triton_fwd_ms"] / 1e9
     o = sparse(False)()
-    gluon_bwd = _gluon_runs(host.mla_backward_gluon, "mla_backward_dkv", lambda: o.backward(do, retain_graph=True))
+    gluon_bwd = _gluon_runs(host.mla_backward_gluon, "mla_backward_dkv", lambda o=o: o.backward(do, retain_graph=True))
     del o
     runs = [("", False, None), ("det_", True, None)]
     if gluon_bwd:  # the same-run baseline: the Triton dS + dK/dV kernel

@@ -8,11 +8,14 @@
 - ``triton_kernels.py``: the Triton kernels (the design is described there);
   ``mla_forward_gluon.py``: the warp-specialised MLA forward for sm_90; ``tile_unions.py``: the
   query tiles' key unions;
+- ``head_probs.py``: ``HeadProbs``, where the MLA op leaves its head-summed probabilities (the
+  indexer KL's target) from its backward;
 - ``naive.py``: the torch reference, the test oracle and the CPU backend.
 """
 
+from .head_probs import HeadProbs
 from .host import SparseAttentionConfig
 from .mla import mla_sparse_attention
 from .op import sparse_attention
 
-__all__ = ["sparse_attention", "mla_sparse_attention", "SparseAttentionConfig"]
+__all__ = ["sparse_attention", "mla_sparse_attention", "SparseAttentionConfig", "HeadProbs"]

@@ -363,9 +363,12 @@ def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttention
 
 
 def sparse_attention_bwd(
-    q, k, v, lists, o, lse, do, dlse, scale: float, merge_dv: bool, deterministic: bool, config: SparseAttentionConfig
+    q, k, v, lists, o, lse, do, dlse, scale: float, merge_dv: bool, deterministic: bool, config: SparseAttentionConfig,
+    psum: torch.Tensor | None = None,
 ):
-    """Returns (dq, dk, dv); dv is None when ``merge_dv`` folded it into dk."""
+    """Returns (dq, dk, dv, psum_done); dv is None when ``merge_dv`` folded it into dk. ``psum`` (fp32
+    zeros [B, S, L] over per-token lists): the Gluon dK/dV kernel adds each slot's head-summed P
+    there (the indexer KL's target) where it runs; ``psum_done`` says whether it did."""
     B, S, Hq, Dqk = q.shape
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     idx = lists.idx
@@ -383,7 +386,7 @@ def sparse_attention_bwd(
     acc = torch.zeros(B, T, Hkv, ncol, dtype=torch.float32, device=q.device)
     units = idx.shape[1]  # programs along dim 0: tokens, or query tiles
     if S == 0:
-        return dq, acc[..., :Dqk].to(k.dtype), None if merge_dv else acc[..., Dqk:].to(v.dtype)
+        return dq, acc[..., :Dqk].to(k.dtype), None if merge_dv else acc[..., Dqk:].to(v.dtype), psum is not None
     has_dlse = dlse is not None
     dlse_t = dlse if has_dlse else lse  # any fp32 [B, S, Hq] tensor; unread without HAS_DLSE
     common = dict(
@@ -413,7 +416,8 @@ def sparse_attention_bwd(
         if gluon_dkv:
             z = _unit_dims_zeroed
             mla_backward_gluon.mla_backward_dkv(
-                z(q), z(k), idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E
+                z(q), z(k), idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E,
+                psum=psum,
             )
         elif split:
             args = (
@@ -448,7 +452,7 @@ def sparse_attention_bwd(
             _reduce_scratch(idx[:, t0 : t0 + count], target, acc, nhb, ncol)
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
-    return dq, dk, dv
+    return dq, dk, dv, psum is not None and gluon_dkv
 
 
 def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:

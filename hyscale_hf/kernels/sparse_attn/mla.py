@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_dim, check_indices, check_same_device, check_tensor, resolve_backend
+from .head_probs import HeadProbs
 from .host import (
     HAS_TRITON,
     KeyLists,
@@ -29,28 +30,37 @@ from .naive import mla_sparse_attention_reference
 
 class _MLASparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_nope, q_rot, w_uk, kv, indices, value_dim, scale, deterministic, config):
+    def forward(ctx, q_nope, q_rot, w_uk, kv, indices, value_dim, scale, deterministic, config, head_probs):
         attn_q = absorbed_query(q_nope, q_rot, w_uk)
         v = kv[..., :value_dim]
         o, lse, lists = sparse_attention_fwd(attn_q, kv, v, indices, scale, config)
-        ctx.save_for_backward(q_nope, q_rot, w_uk, kv, lists.idx, lists.num, lists.bits, o, lse)
+        # query tiles walk key unions, not the index rows: the head sums then need the rows themselves
+        rows = (indices,) if head_probs is not None and lists.tile_q else ()
+        ctx.save_for_backward(q_nope, q_rot, w_uk, kv, lists.idx, lists.num, lists.bits, o, lse, *rows)
         ctx.tile_q, ctx.value_dim, ctx.scale, ctx.deterministic = lists.tile_q, value_dim, scale, deterministic
-        ctx.config = config
+        ctx.config, ctx.head_probs = config, head_probs
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(attn_q)
         return o, lse, attn_q
 
     @staticmethod
     def backward(ctx, do, dlse, _d_attn_q):
-        q_nope, q_rot, w_uk, kv, idx, num, bits, o, lse = ctx.saved_tensors
+        q_nope, q_rot, w_uk, kv, idx, num, bits, o, lse, *rows = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         attn_q = absorbed_query(q_nope, q_rot, w_uk)
         v = kv[..., : ctx.value_dim]
         lists = KeyLists(idx, num, bits, ctx.tile_q)
-        dq, dkv, dv = sparse_attention_bwd(
-            attn_q, kv, v, lists, o, lse, do, dlse, ctx.scale, True, ctx.deterministic, ctx.config
+        psum = None
+        if ctx.head_probs is not None and not ctx.tile_q:
+            psum = torch.zeros(idx.shape, dtype=torch.float32, device=idx.device)
+        dq, dkv, dv, psum_done = sparse_attention_bwd(
+            attn_q, kv, v, lists, o, lse, do, dlse, ctx.scale, True, ctx.deterministic, ctx.config, psum=psum
         )
+        if ctx.head_probs is not None:
+            if not psum_done:  # the kernel that ran has no fused head sums: one pass of their own
+                psum = _attention_prob_sum(attn_q, kv, rows[0] if rows else idx, lse, ctx.scale, "triton")
+            ctx.head_probs.value = psum
         del attn_q
         if dv is not None:  # the kernel could not add v's gradient into k's columns itself
             dkv[..., : ctx.value_dim] += dv
@@ -61,7 +71,14 @@ class _MLASparseAttentionFn(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             d_w_uk = torch.einsum("bshn,bshc->hnc", q_nope, dq_latent).to(w_uk.dtype)
         d_rot = dq_rot.to(q_rot.dtype) if ctx.needs_input_grad[1] else None
-        return d_nope, d_rot, d_w_uk, dkv, None, None, None, None, None
+        return d_nope, d_rot, d_w_uk, dkv, None, None, None, None, None, None
+
+
+def _attention_prob_sum(attn_q, kv, indices, lse, scale: float, backend: str) -> torch.Tensor:
+    # imported here: indexer_kl builds on sparse_attn's reference (gather_keys)
+    from ..indexer_kl import attention_prob_sum
+
+    return attention_prob_sum(attn_q, kv, indices, lse, scale, backend=backend, check_range=False)
 
 
 def mla_sparse_attention(
@@ -77,6 +94,7 @@ def mla_sparse_attention(
     deterministic: bool | None = None,
     config: SparseAttentionConfig | None = None,
     check_range: bool = True,
+    head_probs: HeadProbs | None = None,
 ):
     """Sparse attention in MLA absorbed form: ``sparse_attention(attn_q, kv, kv[..., :value_dim], indices)``
     with ``attn_q = cat([einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], -1)``.
@@ -89,6 +107,9 @@ def mla_sparse_attention(
         indices: int32 ``[B, S, K]`` selected rows (``-1`` skipped).
         value_dim: the values are ``kv[..., :value_dim]`` (C for MLA); their gradient adds into ``kv``.
         scale, backend, deterministic, config, check_range: as in ``sparse_attention``.
+        head_probs: a ``HeadProbs`` to receive the head-summed probabilities ``[B, S, K]`` fp32 on
+            each query's index slots (the indexer KL's target): filled in this call's backward on the
+            Triton path (fused into the Gluon dK/dV kernel where it runs), in its forward on the torch path.
 
     Returns:
         ``(o [B, S, H, value_dim], lse [B, S, H] fp32, attn_q [B, S, H, C + R])``; ``attn_q`` carries no
@@ -123,13 +144,17 @@ def mla_sparse_attention(
     if backend == "auto" and unsupported is not None:
         backend = "torch"
     chosen = resolve_backend(backend, kv.device, HAS_TRITON)
+    if head_probs is not None and not isinstance(head_probs, HeadProbs):
+        raise TypeError(f"head_probs must be a HeadProbs or None, got {type(head_probs).__name__}")
     if chosen == "torch":
         o, lse, attn_q = mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim, scale)
+        if head_probs is not None:
+            head_probs.value = _attention_prob_sum(attn_q.detach(), kv.detach(), indices, lse.detach(), scale, "torch")
         return o, lse, attn_q.detach()
     if unsupported is not None:
         raise ValueError(f"backend='triton' cannot take these inputs: {unsupported}")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return _MLASparseAttentionFn.apply(q_nope, q_rot, w_uk, kv, indices.contiguous(), int(value_dim), float(scale),
-                                       bool(deterministic), resolve_config(config))
+                                       bool(deterministic), resolve_config(config), head_probs)
 

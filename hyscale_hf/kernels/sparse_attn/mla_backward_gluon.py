@@ -21,7 +21,9 @@ one program (one query token, 64 heads) runs three warpgroups:
   P^T dO[:, cols], a [64 keys, 256] fp32 tile whose rows are key rows. The accumulator layout gives
   each thread pairs of adjacent columns; a conversion within each warp (shuffles, no shared memory)
   gives it 4, so each atomic adds 16 bytes. The second also owns the 64 rope columns
-  ((scale dS)^T Q_rope).
+  ((scale dS)^T Q_rope). With ``psum`` the first also forms each key's P summed over the heads (the
+  indexer KL's target, ``HeadProbs``) as a small product P^T [1 0 ... 0] from the P tile it reads
+  anyway (so from P in q's dtype, as the dV product uses it), off the softmax warpgroup's path.
 
 So a block's gather and S / dP overlap the previous block's contributions and atomics, which bound
 the kernel (H200: fp32 atomics into key rows move about 3.7 TB/s, and every pair adds 2.3 KB).
@@ -51,6 +53,7 @@ BLOCK = gl.constexpr(64)  # keys per block: the M side of the contributions
 D_V = gl.constexpr(512)  # key dims that are also the value (MLA absorbed: v = k[..., :512])
 D_ROPE = gl.constexpr(64)  # the remaining key dims (576 = 512 + 64)
 HALF_V = gl.constexpr(256)  # value columns per contribution warpgroup
+PSUM_N = gl.constexpr(8)  # N of the head sums' product (wgmma's smallest)
 
 # mbarrier slots
 _PDS_READY = gl.constexpr(0)
@@ -160,7 +163,7 @@ def _softmax_partition(
 @gluon.jit
 def _contribution_partition(
     n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem, bars,
-    COL0: gl.constexpr, WITH_ROPE: gl.constexpr,
+    ones_smem, psum_base, psum_atomic, COL0: gl.constexpr, WITH_ROPE: gl.constexpr, WITH_PSUM: gl.constexpr,
 ):  # fmt: skip
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_V, 16]
@@ -185,6 +188,12 @@ def _contribution_partition(
     if WITH_ROPE:
         r = gl.zeros([BLOCK, D_ROPE], gl.float32, ROPE)
         cols_r = D_V + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE))
+    if WITH_PSUM:  # the head sums P^T 1 as a [keys, 8] product whose column 0 is the ones column
+        SUMS: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PSUM_N, 16]
+        )
+        sums = gl.zeros([BLOCK, PSUM_N], gl.float32, SUMS)
+        keys_sum = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, SUMS))
     kid = _block_keys(idx_base, count, 0, keys_red)
     for j in range(n_blocks):
         kid_next = _block_keys(idx_base, count, j + 1, keys_red)  # its latency hidden by the wait and products
@@ -192,7 +201,11 @@ def _contribution_partition(
         ds_t = ds_smem.permute((1, 0))  # [keys, heads]
         c = warpgroup_mma(ds_t, q_smem.slice(COL0, HALF_V, dim=1), c, use_acc=False, is_async=True)
         c = warpgroup_mma(p_smem.permute((1, 0)), do_smem.slice(COL0, HALF_V, dim=1), c, is_async=True)
-        c = warpgroup_mma_wait(0, deps=[c])
+        if WITH_PSUM:
+            sums = warpgroup_mma(p_smem.permute((1, 0)), ones_smem, sums, use_acc=False, is_async=True)
+            c, sums = warpgroup_mma_wait(0, deps=[c, sums])
+        else:
+            c = warpgroup_mma_wait(0, deps=[c])
         c_red = gl.convert_layout(c, RED)
         dst = acc_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_at
         if WITH_ROPE:  # the rope tile only after the value tile's atomics: both live would spill
@@ -206,36 +219,51 @@ def _contribution_partition(
         else:
             _sync_partition()
             mbarrier.arrive(bars.index(_PDS_FREE), count=1)
+            if WITH_PSUM:
+                head_sum = gl.sum(sums, axis=1)  # within each row's lanes: the other columns are 0
+                slot = j * BLOCK + keys_sum
+                if psum_atomic:
+                    gl.atomic_add(psum_base + slot, head_sum, mask=slot < count, sem="relaxed")
+                else:
+                    gl.store(psum_base + slot, head_sum, mask=slot < count)
             gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
         kid = kid_next
 
 
 # warp_specialize hands its partitions runtime values only, so the column half (a constexpr of the
-# shared-memory slice) is fixed by one small entry function per half
+# shared-memory slice) and the head sums are fixed by one small entry function each
 @gluon.jit
 def _contribution_low(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                      bars):  # fmt: skip
+                      bars, ones_smem, psum_base, psum_atomic):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, 0, False)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, 0, False, False)  # fmt: skip
+
+
+@gluon.jit
+def _contribution_low_psum(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
+                           ds_smem, bars, ones_smem, psum_base, psum_atomic):  # fmt: skip
+    _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, 0, False, True)  # fmt: skip
 
 
 @gluon.jit
 def _contribution_high(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                       bars):  # fmt: skip
+                       bars, ones_smem, psum_base, psum_atomic):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, HALF_V, True)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, HALF_V, True, False)  # fmt: skip
 
 
 @gluon.jit
 def mla_backward_dkv_kernel(
     q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_ptr, acc_ptr,
     s_qb, s_qs, s_qh, s_kb, s_kt, s_ib, s_is, s_nb, s_ob, s_os, s_oh, s_dob, s_dos, s_doh,
-    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, s_dsb, s_dss, s_dsh, s_ab, s_at,
-    t_offset, num_idx, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr,
+    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, s_dsb, s_dss, s_dsh, s_ab, s_at, psum_ptr, s_pb, s_ps,
+    t_offset, num_idx, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr, PSUM: gl.constexpr,
 ):  # fmt: skip
     """Query token t = t_offset + program_id(0), heads 64 * hb + [0, 64) of batch b (program_id(1)
     = b * num_head_blocks + hb): dS of its first num[b, t] index slots to ds[b, program_id(0)] and
-    the pairs' contributions into acc[b, key]."""
+    the pairs' contributions into acc[b, key]; with PSUM (1: store, 2: atomic add, for several head
+    blocks) also the slots' head-summed P to psum[b, t]."""
     t_local = gl.program_id(0).to(gl.int64)
     t = t_offset + t_local
     hb = gl.program_id(1) % num_head_blocks
@@ -254,6 +282,14 @@ def mla_backward_dkv_kernel(
     rope_smem = gl.allocate_shared_memory(dt, [BLOCK, D_ROPE], MMA_SMEM)
     p_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], MMA_SMEM)
     ds_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], MMA_SMEM)
+    # the head sums' B operand: [heads, 8] with ones in column 0 (1 KB; 16-byte rows, no swizzle)
+    ONES_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    ones_smem = gl.allocate_shared_memory(dt, [HEADS, PSUM_N], ONES_SMEM)
+    if PSUM != 0:
+        ONES: gl.constexpr = gl.BlockedLayout([1, PSUM_N], [32, 1], [4, 1], [1, 0])
+        ones_col = gl.arange(0, PSUM_N, layout=gl.SliceLayout(0, ONES))
+        ones = gl.zeros([HEADS, PSUM_N], gl.float32, ONES) + gl.where(ones_col == 0, 1.0, 0.0)[None, :]
+        ones_smem.store(ones.to(dt))
     bars = gl.allocate_shared_memory(gl.int64, [_N_BARRIERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(_PDS_READY), count=1)
     mbarrier.init(bars.index(_PDS_FREE), count=2)
@@ -261,7 +297,7 @@ def mla_backward_dkv_kernel(
 
     acc_base = acc_ptr + b * s_ab
     contribution_args = (n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                         bars)  # fmt: skip
+                         bars, ones_smem, psum_ptr + b * s_pb + t * s_ps, PSUM == 2)  # fmt: skip
     gl.warp_specialize(
         [
             (_softmax_partition, (
@@ -270,7 +306,7 @@ def mla_backward_dkv_kernel(
                 dlse_ptr + b * s_dlb + t * s_dls + h0 * s_dlh, s_dlh, ds_ptr + b * s_dsb + t_local * s_dss + h0 * s_dsh,
                 s_dsh, k_ptr + b * s_kb, s_kt, idx_base, count, num_idx, n_blocks, sm_scale, qk_scale,
                 q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE)),
-            (_contribution_low, contribution_args),
+            (_contribution_low_psum if PSUM != 0 else _contribution_low, contribution_args),
             (_contribution_high, contribution_args),
         ],
         [4, 4],
@@ -293,6 +329,7 @@ def mla_backward_dkv(
     count: int,
     scale: float,
     qk_scale: float,
+    psum: torch.Tensor | None = None,
 ) -> None:
     """dS and the dK/dV contributions of query tokens [t_offset, t_offset + count).
 
@@ -301,6 +338,9 @@ def mla_backward_dkv(
     fp32 [B, S, H]; writes ``scale * dS`` to ds [B, >= count, H, L] (q's dtype; slot columns of the walked
     blocks) and adds into acc fp32 [B, T, 1, 576]. The caller checks what ``host`` checks for the Gluon
     forward (sm_90, dtypes, unit inner strides, 16-byte aligned rows) and that o / do have them too.
+    ``psum`` (fp32 [B, S, L], zeros): each slot's P (rounded to q's dtype, as the dV product reads it)
+    summed over the heads is stored there, or added with several head blocks (slots past a row's extent
+    stay 0): the indexer KL's target for one [64 keys, 8] product per block.
     """
     B, _, H, _ = q.shape
     if B * count == 0:
@@ -308,11 +348,13 @@ def mla_backward_dkv(
     nhb = H // HEADS.value
     has_dlse = dlse is not None
     dl = dlse if has_dlse else lse  # any fp32 [B, S, H] tensor; unread without HAS_DLSE
+    mode = 0 if psum is None else (1 if nhb == 1 else 2)
+    ps = lse if psum is None else psum  # unread without PSUM
     mla_backward_dkv_kernel[(count, B * nhb)](
         q, k, idx, num, o, do, lse, dl, ds, acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(0), idx.stride(1),
         num.stride(0), o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), dl.stride(0), dl.stride(1), dl.stride(2),
-        ds.stride(0), ds.stride(1), ds.stride(2), acc.stride(0), acc.stride(1),
-        t_offset, idx.shape[2], nhb, scale, qk_scale, HAS_DLSE=has_dlse, num_warps=4,
+        ds.stride(0), ds.stride(1), ds.stride(2), acc.stride(0), acc.stride(1), ps, ps.stride(0), ps.stride(1),
+        t_offset, idx.shape[2], nhb, scale, qk_scale, HAS_DLSE=has_dlse, PSUM=mode, num_warps=4,
     )  # fmt: skip

@@ -53,7 +53,7 @@ class _SparseAttentionFn(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(o)
         lists = KeyLists(idx, num, bits, ctx.tile_q)
-        dq, dk, dv = sparse_attention_bwd(
+        dq, dk, dv, _ = sparse_attention_bwd(
             q, k, v, lists, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic, ctx.config
         )
         return dq, dk, dv, None, None, None, None, None, None

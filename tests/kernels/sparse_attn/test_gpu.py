@@ -130,7 +130,7 @@ def _gluon_forward_calls(monkeypatch):
     """Counts launches of the Hopper MLA forward (``mla_forward_gluon``)."""
     calls = []
     real = host.mla_forward_gluon.mla_forward
-    monkeypatch.setattr(host.mla_forward_gluon, "mla_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(host.mla_forward_gluon, "mla_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -183,7 +183,7 @@ def test_mla_gluon_backward_matches_triton_backward(monkeypatch, T, H, dtype):
     idx = selection(T)
     calls = []
     real = host.mla_backward_gluon.mla_backward_dkv
-    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a, **k: calls.append(1) or real(*a, **k))
     _, _, grads = run_triton(q, k, k[..., :512], idx, do, dlse, mla=True)
     launches = len(calls)  # one per chunk of queries whose dS fits the buffer
     assert launches >= 1
@@ -214,7 +214,7 @@ def test_mla_gluon_backward_takes_the_models_permuted_output_gradient(monkeypatc
     idx = selection(T)
     calls = []
     real = host.mla_backward_gluon.mla_backward_dkv
-    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a, **k: calls.append(1) or real(*a, **k))
     o = sparse_attention(q, k, k[..., :512], idx, backend="triton")
     grads = torch.autograd.grad(o, [q, k], grad_outputs=do_perm)
     assert calls, "the Gluon dK/dV kernel did not take the permuted output gradient"

@@ -91,3 +91,37 @@ def test_bad_input_names_the_argument(change, match):
     args.update({k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in change.items()})
     with pytest.raises(ValueError, match=match):
         mla_sparse_attention(**args)
+
+
+def _head_probs_reference(q_nope, q_rot, w_uk, kv, idx, scale):
+    """sum_h exp(scale q_h . k_j - lse_h) on each index slot (0 where idx = -1), from the composition."""
+    o, lse, attn_q = mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, idx, value_dim=C, scale=scale)
+    safe = idx.clamp_min(0).long()
+    keys = kv[:, :, 0][torch.arange(B, device=idx.device)[:, None, None], safe]  # [B, S, K, C + R]
+    logits = torch.einsum("bshd,bskd->bshk", attn_q, keys) * scale
+    p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return (p * (idx >= 0)[:, :, None]).sum(2).detach()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_head_probs_receive_the_head_summed_probabilities(backend, monkeypatch):
+    """The indexer KL's target: filled in the forward on the torch path, in the backward on the Triton
+    path (there by ``attention_prob_sum`` where the fused Gluon kernel does not run, as on a CPU)."""
+    from hyscale_hf.kernels.sparse_attn import HeadProbs
+
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(fwd={"BLOCK_N": 16}, bwd={"BLOCK_N": 16}))
+    q_nope, q_rot, kv_b, w_uk, latent, kv, idx = make()
+    want = _head_probs_reference(q_nope, q_rot, w_uk, kv, idx, 0.3)
+    slot = HeadProbs()
+    o, lse, _ = mla_sparse_attention(q_nope, q_rot, w_uk, kv, idx, value_dim=C, scale=0.3, backend=backend,
+                                     head_probs=slot)
+    assert (slot.value is None) == (backend == "triton")
+    o.sum().backward()
+    torch.testing.assert_close(slot.take(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(want[1, 2], torch.zeros(K))  # the query without a key
+
+
+def test_head_probs_must_be_a_head_probs():
+    q_nope, q_rot, kv_b, w_uk, latent, kv, idx = make()
+    with pytest.raises(TypeError, match="head_probs"):
+        mla_sparse_attention(q_nope, q_rot, w_uk, kv, idx, value_dim=C, scale=0.3, head_probs=[])

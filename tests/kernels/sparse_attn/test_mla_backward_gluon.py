@@ -7,6 +7,8 @@ Its results are checked against the fp32 reference and the Triton kernel by the 
 ``tests/support/sm90_build.py`` for why and how the kernel is built here.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -18,19 +20,24 @@ needs_gluon = pytest.mark.skipif(host.mla_backward_gluon is None, reason="needs 
 PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr="*bf16", do_ptr="*bf16",
             lse_ptr="*fp32", dlse_ptr="*fp32", ds_ptr="*bf16", acc_ptr="*fp32")
 INTS = ("s_qb s_qs s_qh s_kb s_kt s_ib s_is s_nb s_ob s_os s_oh s_dob s_dos s_doh s_lb s_ls s_lh s_dlb s_dls "
-        "s_dlh s_dsb s_dss s_dsh s_ab s_at t_offset num_idx num_head_blocks").split()
+        "s_dlh s_dsb s_dss s_dsh s_ab s_at").split()
+TAIL = "s_pb s_ps t_offset num_idx num_head_blocks".split()
 ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at".split()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["no_dlse", "dlse"])
+# (HAS_DLSE, PSUM): without / with the lse gradient, and the head-summed P stored or added
+@pytest.fixture(scope="module", params=[(False, 0), (True, 1), (False, 2)], ids=["plain", "dlse_psum", "psum_atomic"])
 def sm90_build(request):
+    has_dlse, psum = request.param
+    signature = {**PTRS, **dict.fromkeys(INTS, "i32"), "psum_ptr": "*fp32", **dict.fromkeys(TAIL, "i32"),
+                 "sm_scale": "fp32", "qk_scale": "fp32"}
     return build_sm90(
         dict(
             module="hyscale_hf.kernels.sparse_attn.mla_backward_gluon",
             kernel="mla_backward_dkv_kernel",
-            signature={**PTRS, **dict.fromkeys(INTS, "i32"), "sm_scale": "fp32", "qk_scale": "fp32"},
-            constexprs={"HAS_DLSE": request.param},
-            aligned=list(PTRS) + ALIGNED,
+            signature=signature,
+            constexprs={"HAS_DLSE": has_dlse, "PSUM": psum},
+            aligned=list(PTRS) + ALIGNED + ["psum_ptr"],
         )
     )
 
@@ -52,6 +59,13 @@ def test_warpgroups_are_specialised(sm90_build):
         r"wgmma\.mma_async\.sync\.aligned\.m64n256k16",
         r"red\.global\.[a-z.]*add\.v4\.f32",
     )
+
+
+@needs_gluon
+def test_head_sums_are_one_small_product(sm90_build, request):
+    # with PSUM the head sums of P come from an m64n8 product; without, no such product is built
+    psum = "psum" in request.node.callspec.id
+    assert bool(re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n8k16", sm90_build["ptx"])) == psum
 
 
 def test_rows_aligned_ignores_the_stride_of_size_one_dims():

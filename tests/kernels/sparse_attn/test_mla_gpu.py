@@ -65,3 +65,40 @@ def test_glm5_shape_matches_the_plain_composition_and_keeps_less(T):
         assert err <= 2e-2 * scale, f"d{name}: max err {err} vs max {scale}"
     absorbed_query = T * H * (C + R) * 2
     assert held1 - held2 >= 0.9 * absorbed_query, (held1, held2)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_head_probs_fused_in_the_gluon_backward_match_their_own_pass(heads, monkeypatch):
+    """The indexer KL's target, summed over heads inside the Gluon dK/dV kernel (stored with one head
+    block, added atomically with two), against ``attention_prob_sum``'s separate fp32 pass."""
+    from hyscale_hf.kernels.indexer_kl import attention_prob_sum
+    from hyscale_hf.kernels.sparse_attn import HeadProbs, host
+
+    if host.mla_backward_gluon is None or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon MLA backward is sm_90 only")
+    T = 4096
+    torch.manual_seed(0)
+    q_nope = torch.randn(1, T, heads, N, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    q_rot = torch.randn(1, T, heads, R, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w_uk = (torch.randn(heads, N, C, device="cuda") * C**-0.5).to(torch.bfloat16).requires_grad_()
+    kv = torch.randn(1, T, 1, C + R, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    idx = selection(T)
+    calls = []
+    real = host.mla_backward_gluon.mla_backward_dkv
+    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv",
+                        lambda *a, **k: calls.append(k.get("psum") is not None) or real(*a, **k))
+    slot = HeadProbs()
+    scale = (N + R) ** -0.5
+    o, lse, attn_q = mla_sparse_attention(q_nope, q_rot, w_uk, kv, idx, value_dim=C, scale=scale, backend="triton",
+                                          head_probs=slot)
+    o.float().sum().backward()
+    assert calls and all(calls), "the Gluon dK/dV kernel did not take the head sums"
+    got = slot.take()
+    want = attention_prob_sum(attn_q, kv.detach(), idx, lse.detach(), scale, backend="triton")
+    assert torch.equal(got[0, 5], torch.zeros_like(got[0, 5]))  # the query without a key
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 4e-3, f"head sums: relative error {err:.2e}"  # the kernel sums P rounded to bf16 (2^-9)
+    # each query's probabilities sum to 1 per head: the head sum over its slots is the head count
+    rows = (idx[0] >= 0).any(-1)
+    torch.testing.assert_close(got[0, rows].sum(-1), torch.full((int(rows.sum()),), float(heads), device="cuda"),
+                               rtol=1e-3, atol=1e-3)
