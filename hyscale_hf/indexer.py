@@ -18,6 +18,10 @@ KL forward ran a second time there, the largest kernel of a converted model's st
 those gradients held from forward to backward: ``S * (H * D + D + H)`` elements per layer (for a
 2 x 64 indexer in bf16 about 1/20 of the replayed selection's ``S * K`` int32 at top-2048; for
 GLM-5's 32 x 128 about as much as it).
+
+``deferred_indexer_loss`` computes it in backward instead, where the attention's backward has left
+the KL's target (the MLA families' sparse stage, ``model_patches/_dsa_step._deferred_target``): no
+pass of its own over the attention's keys, and nothing held from forward to backward.
 """
 
 from __future__ import annotations
@@ -88,6 +92,45 @@ def indexer_loss_once(hidden: torch.Tensor, index: tuple, loss_fn, state: PatchS
     if grads is None:
         return attach_indexer_loss(hidden, loss, state)  # recorded only
     return attach_indexer_loss(hidden, _LossWithGradient.apply(loss, grads, model_offload(state), *index), state)
+
+
+class _DeferredLoss(torch.autograd.Function):
+    """The indexer loss of a layer whose attention leaves its KL target in ``head_probs`` in backward.
+
+    ``anchor`` is an input of that attention, passed through; as the attention consumes the result,
+    autograd runs this backward only after the attention's, when the target is there. Backward then
+    computes the loss ``loss_fn(target, indices, *index)`` and its gradient with respect to ``index`` (the
+    indexer's outputs) on detached leaves, records the loss, and hands the gradient, scaled by the one
+    the loss carrier (the second output, 0 in forward) receives, to the indexer. ``indices`` and ``index``
+    are saved tensors, so a checkpoint drops and recomputes them like the layer's others: forward and
+    recompute run this node alike, nothing is held from forward to backward but the saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, head_probs, loss_fn, state, indices, *index):
+        ctx.head_probs, ctx.loss_fn, ctx.state = head_probs, loss_fn, state
+        ctx.needs = [t.requires_grad for t in index]
+        ctx.save_for_backward(indices, *index)
+        return anchor.view_as(anchor), torch.zeros((), dtype=torch.float32, device=anchor.device)
+
+    @staticmethod
+    def backward(ctx, grad_anchor, grad_loss):
+        indices, *index = ctx.saved_tensors
+        target = ctx.head_probs.take()
+        loss, grads = _loss_and_grads(tuple(index), lambda *t: ctx.loss_fn(target, indices, *t), ctx.state)
+        ctx.state.record_indexer_loss(loss)
+        if grads is None or grad_loss is None:
+            return (grad_anchor, None, None, None, None, *(None for _ in index))
+        return (grad_anchor, None, None, None, None,
+                *(g if g is None else (g * grad_loss).to(g.dtype) for g in grads))
+
+
+def deferred_indexer_loss(anchor: torch.Tensor, head_probs, loss_fn, indices: torch.Tensor, index: tuple,
+                          state: PatchState) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(anchor', carrier)``: feed ``anchor'`` to the attention that fills ``head_probs`` in its backward
+    and join ``carrier`` with ``attach_indexer_loss(..., record=False)``; the loss
+    ``loss_fn(target, indices, *index)`` is computed in backward, once per layer and step, and recorded then."""
+    return _DeferredLoss.apply(anchor, head_probs, loss_fn, state, indices, *index)
 
 
 def _replayed_recompute() -> bool:
@@ -168,11 +211,12 @@ class TiledIndexerLoss:
         return attach_indexer_loss(hidden, loss, self.state)
 
 
-def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchState) -> torch.Tensor:
+def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchState, record: bool = True) -> torch.Tensor:
     """Return ``hidden`` unchanged, with ``state.config.indexer_loss_coef * loss`` joined to the graph.
 
     Records the detached loss in ``state`` for logging (not during checkpoint recompute, which
-    would count it twice). A loss that needs no gradient is only recorded.
+    would count it twice; not with ``record=False``, for a deferred loss that records itself in
+    backward). A loss that needs no gradient is only recorded.
 
     Where the gradient is joined depends on ``hidden``: if it requires grad (the base model trains),
     the loss rides on it, so any loss computed from the model's output reaches it. If it does not
@@ -181,7 +225,7 @@ def attach_indexer_loss(hidden: torch.Tensor, loss: torch.Tensor, state: PatchSt
     gradient; the loss waits in ``state.pending_losses`` instead and ``sink_pending_losses`` joins
     it to the model's output at the end of its forward.
     """
-    if not in_backward():
+    if record and not in_backward():
         state.record_indexer_loss(loss)
     coef = float(state.config.indexer_loss_coef)
     if coef == 0.0 or not loss.requires_grad or not torch.is_grad_enabled():

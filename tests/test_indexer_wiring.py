@@ -136,3 +136,77 @@ def test_loss_once_is_computed_once_under_checkpointing(replay):
         results.append((proj.weight.grad, base.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+class _FillsTargetInBackward(torch.autograd.Function):
+    """A stand-in attention: its backward leaves the target in ``head_probs`` (as mla_sparse_attention's)."""
+
+    @staticmethod
+    def forward(ctx, x, head_probs, target):
+        ctx.head_probs, ctx.target = head_probs, target
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.head_probs.value = ctx.target.clone()
+        return g * 2, None, None
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_deferred_loss_runs_after_the_attention_with_the_gradient_of_the_loss(checkpointed):
+    """deferred_indexer_loss: nothing is computed or recorded in forward (or in a recompute); in backward,
+    after the attention that fills the target, the loss runs once, is recorded, and its gradient (times the
+    coefficient) reaches the indexer, the same as the loss computed in forward with that target."""
+    from torch.utils.checkpoint import checkpoint
+
+    import hyscale_hf
+    from hyscale_hf.indexer import deferred_indexer_loss, indexer_loss_once
+    from hyscale_hf.kernels.sparse_attn import HeadProbs
+
+    target = torch.rand(5, 3, generator=torch.Generator().manual_seed(2))
+    indices = torch.arange(3, dtype=torch.int32).expand(5, 3)
+    results = []
+    for deferred in (False, True):
+        x, proj, loss_fn = _indexer_toy()
+        state = make_state(0.5)
+        calls = []
+
+        def with_target(t, idx, q, w, calls=calls, loss_fn=loss_fn):
+            calls.append((in_backward(), torch.equal(t, target), torch.equal(idx, indices)))
+            return loss_fn(q, w) * t.sum()
+
+        base = torch.randn(5, 2, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+        def layer(b, proj=proj, x=x, state=state, deferred=deferred, with_target=with_target):
+            out = proj(x)
+            index = (out[:, :4], out[:, 4])
+            h = torch.tanh(b)
+            if not deferred:
+                y = _FillsTargetInBackward.apply(h, HeadProbs(), target)
+                return indexer_loss_once(y, index, lambda q, w: with_target(target, indices, q, w), state)
+            head_probs = HeadProbs()
+            h, carrier = deferred_indexer_loss(h, head_probs, with_target, indices, index, state)
+            y = _FillsTargetInBackward.apply(h, head_probs, target)
+            return attach_indexer_loss(y * y, carrier, state, record=False)
+
+        if checkpointed:
+            y = checkpoint(layer, base, use_reentrant=False, context_fn=hyscale_hf.replay_context_fn())
+        else:
+            y = layer(base)
+        if deferred:
+            assert not calls and state.pop_indexer_loss() is None  # nothing in forward
+        y.sum().backward()
+        assert calls == [(deferred, True, True)]
+        results.append((proj.weight.grad, proj.bias.grad, state.pop_indexer_loss()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_head_probs_taken_before_the_attention_backward_is_an_error():
+    from hyscale_hf.kernels.sparse_attn import HeadProbs
+
+    slot = HeadProbs()
+    with pytest.raises(RuntimeError, match="has not run its backward"):
+        slot.take()
+    slot.value = torch.ones(1)
+    assert torch.equal(slot.take(), torch.ones(1)) and slot.value is None

@@ -165,18 +165,24 @@ def test_enabling_checkpointing_on_the_inner_model_also_replays():
 @pytest.mark.parametrize("stage", ["sparse", "dense_warmup", "dense_warmup_base_frozen"])
 def test_indexer_loss_runs_once_per_layer_under_checkpointing(model_type, stage, monkeypatch):
     """Issue 22: the KL forward ran again in every checkpoint recompute. Now once per full indexer layer
-    per step, with the indexer's gradients those of a step without checkpointing (bit for bit)."""
+    per step, with the indexer's gradients those of a step without checkpointing (bit for bit). The MLA
+    family's sparse stage computes it in backward, from the target its attention's backward leaves
+    (``_deferred_target``); the others in forward."""
     from hyscale_hf.model_patches import _dsa_step
     from hyscale_hf.state import patch_state
 
     calls = []
-    real = _dsa_step.indexer_kl_loss
 
-    def counted(*args, **kwargs):
-        calls.append(in_backward())
-        return real(*args, **kwargs)
+    def counted(real):
+        def call(*args, **kwargs):
+            calls.append(in_backward())
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(_dsa_step, "indexer_kl_loss", counted)
+        return call
+
+    for name in ("indexer_kl_loss", "indexer_kl_loss_given_target"):
+        monkeypatch.setattr(_dsa_step, name, counted(getattr(_dsa_step, name)))
+    deferred = model_type == "glm_moe_dsa" and stage == "sparse"
     grads = []
     for checkpointing in (False, True):
         model = _patched(model_type)
@@ -191,7 +197,7 @@ def test_indexer_loss_runs_once_per_layer_under_checkpointing(model_type, stage,
             model.gradient_checkpointing_enable()
         calls.clear()
         grads.append(_step(model, _ids()))
-        assert calls == [False] * _layout(model_type)[0]  # once per full indexer layer, none in backward
+        assert calls == [deferred] * _layout(model_type)[0]  # once per full indexer layer
     indexer_grads = [{n: g for n, g in step.items() if ".indexer." in n} for step in grads]
     assert indexer_grads[0], "the indexer must receive gradients"
     _assert_bitwise(*indexer_grads)
@@ -217,3 +223,25 @@ def test_patched_step_reads_no_index_range_on_the_host(model_type, monkeypatch):
     model.gradient_checkpointing_enable()
     _step(model, _ids())
     assert reads and not any(reads)
+
+
+def test_deferred_indexer_loss_is_the_loss_computed_in_forward(monkeypatch):
+    """The MLA family's sparse stage takes the KL target from its attention (here the torch path, which
+    fills it in forward; the Triton path fills it in backward, ``tests/kernels/sparse_attn/test_mla.py``);
+    the loss and every gradient match the loss computed in forward from the attention tensors."""
+    from hyscale_hf.model_patches import _dsa_step
+    from hyscale_hf.state import patch_state
+
+    results = []
+    for deferred in (True, False):
+        if not deferred:
+            monkeypatch.setattr(_dsa_step, "_deferred_target", lambda *args: None)
+        model = _patched("glm_moe_dsa")
+        model.gradient_checkpointing_enable()
+        grads = _step(model, _ids())
+        results.append((grads, patch_state(model).pop_indexer_loss()))
+    (got, loss), (want, want_loss) = results
+    assert loss == pytest.approx(want_loss, rel=1e-5) and want_loss > 0
+    assert set(got) == set(want) and any(".indexer." in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -9,7 +9,8 @@ builds its keys' visibility (``_visibility``), and hands all of it to ``dsa_atte
 2. attends over the selection (sparse), or over every visible key (the dense warm-up stage, and
    layers without DSA),
 3. samples top-k recall when asked (``observe_selection``), and during training joins the indexer
-   KL loss to the layer's output, computed once per step (``indexer_loss_once``).
+   KL loss to the layer's output, computed once per step: in forward (``indexer_loss_once``), or
+   for MLA in backward from the target the attention's backward leaves (``_deferred_target``).
 
 The attention comes in two forms, both with the same four methods: ``MLAAttention`` (native DSA
 families, ``_mla_dsa``: absorbed MLA queries against one latent row per token) and ``GQAAttention``
@@ -34,8 +35,10 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..indexer import TiledIndexerLoss, indexer_loss_once
+from ..indexer import TiledIndexerLoss, attach_indexer_loss, deferred_indexer_loss, indexer_loss_once
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
+from ..kernels.indexer_kl import indexer_kl_loss_given_target
+from ..kernels.sparse_attn import HeadProbs
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
 from ..replay import in_replay_checkpoint, replaying, reuse_indices
@@ -102,6 +105,10 @@ class GQAAttention:
 
     attend_window = attend_selected
 
+    def defer_target(self, apply):
+        """None: this attention cannot hand the indexer KL its target from backward (``MLAAttention``)."""
+        return None
+
     def attend_all(self, vis: Visibility, backend: str):
         """Every visible key, through SDPA; no lse. Plain causal inputs use ``is_causal``; anything else a
         boolean mask a query chunk at a time (each chunk checkpointed when there are several, so memory
@@ -157,14 +164,31 @@ class MLAAttention:
         self.value_dim, self.scale, self.sinks, self.name = value_dim, scale, sinks, name
         self.shape, self.device = (q_nope.shape[0], q_nope.shape[1], kv.shape[1]), kv.device
         self.attn_q = None  # [B, S, H, C + R] absorbed query, set by the attend_* that ran
+        self.head_probs = None  # a HeadProbs the next attend_selected fills (defer_target)
 
     def attend_selected(self, indices: torch.Tensor, backend: str):
         # attn_q comes back without gradient (the KL target and the recall probe only read it); the
         # attention rebuilds it from q_nope in backward instead of keeping it (see kernels/sparse_attn/mla.py).
         o, lse, self.attn_q = mla_sparse_attention(self.q_nope, self.q_rot, self.w_uk, self.kv, indices,
                                                    value_dim=self.value_dim, scale=self.scale, backend=backend,
-                                                   check_range=False)
+                                                   check_range=False, head_probs=self.head_probs)
         return self._with_sinks(o, lse, backend)
+
+    def defer_target(self, apply):
+        """Route an input of the next ``attend_selected`` through ``apply(anchor, head_probs)`` (which
+        returns ``(anchor', carrier)``) so that the attention leaves the indexer KL's target in
+        ``head_probs`` in its backward, and the node ``apply`` builds runs after it; returns the
+        carrier, or None where that cannot be (sinks change the target's normaliser; no input needs grad)."""
+        if self.sinks is not None:
+            return None
+        for name in ("kv", "q_nope", "q_rot"):
+            anchor = getattr(self, name)
+            if anchor.requires_grad:
+                self.head_probs = HeadProbs()
+                routed, carrier = apply(anchor, self.head_probs)
+                setattr(self, name, routed)
+                return carrier
+        return None
 
     def attend_window(self, indices: torch.Tensor, backend: str):
         self.attn_q = absorbed_query(self.q_nope, self.q_rot, self.w_uk)  # through plain autograd
@@ -290,9 +314,13 @@ def dsa_attention(
     compaction = None
     if index is not None and vis.key_mask is not None:  # a padding mask: select in compacted order
         compaction = Compaction(vis.key_mask, vis.windows(B, S, T, attention.device)[0], S, vis.query_pos)
+    wants_loss = index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0
+    carrier = None  # the indexer loss deferred to the attention's backward (_deferred_target)
     if sparse_step(cfg, index, shared, window):
         indices, attended = _selection(state, vis, compaction, attention.shape, attention.device, index=index,
                                        shared=shared, prev_indices=prev_indices, window=window)
+        if wants_loss and indices is not None and loss_sink is None and not weights:
+            carrier = _deferred_target(attention, state, index, indices, vis, loss_count)
         attend = attention.attend_selected if indices is not None else attention.attend_window
         o, lse = attend(attended, cfg.backend)
     else:  # warm-up, or a layer without DSA: SDPA, its math backend when the user chose "eager" (_attn_switch)
@@ -306,7 +334,9 @@ def dsa_attention(
         q_and_k, windows = _dense_inputs(attention, index, vis, compaction)
         observe_selection(state, *q_and_k[:5], scale=attention.scale, relu=cfg.relu, **windows)
     out = o if finish is None else finish(o)
-    if index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0:
+    if carrier is not None:
+        out = attach_indexer_loss(out, carrier, state, record=False)
+    elif wants_loss:
         def loss_fn(*index_outputs):
             return _indexer_loss(attention, index_outputs, indices, lse, vis, compaction, cfg, loss_count)
 
@@ -315,6 +345,30 @@ def dsa_attention(
         else:
             out = indexer_loss_once(out, index, loss_fn, state)
     return out, indices, probabilities
+
+
+def _deferred_target(attention, state: PatchState, index: tuple, indices: torch.Tensor, vis: Visibility,
+                     count: torch.Tensor | None):
+    """The sparse stage's indexer KL from the target the attention's backward leaves (``HeadProbs``):
+    no second pass over the selected keys at every head, and nothing held from forward to backward.
+    Returns the loss carrier to join to the output, or None (the attention cannot; ``torch.compile``,
+    which the deferred node's backward-time ``autograd.grad`` would break): the loss is then computed
+    in forward (``indexer_loss_once``)."""
+    if torch.compiler.is_compiling():
+        return None
+    cfg = state.config
+    query_real = vis.query_real
+
+    def loss_fn(target, indices, iq, ik, iw):
+        if query_real is not None:  # padding queries are no training signal
+            indices = indices.masked_fill(~query_real[..., None], -1)
+        kl = indexer_kl_loss_given_target(iq, ik, iw, indices, target, relu=cfg.relu, backend=cfg.backend,
+                                          check_range=False, reduction="mean" if count is None else "sum")
+        return kl if count is None else kl / count
+
+    return attention.defer_target(
+        lambda anchor, head_probs: deferred_indexer_loss(anchor, head_probs, loss_fn, indices, index, state)
+    )
 
 
 def dsa_attention_tiled(
