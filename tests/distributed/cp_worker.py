@@ -164,7 +164,15 @@ def saved_bytes_per_rank() -> dict:
         del loss
         return sum(storages.values()), sum(gathered)
 
-    single, _ = measure(ref)
+    # Under context parallelism the indexer loss is computed in forward (its loss sink); the one-process
+    # MLA step defers it to backward, where it saves the indexer's outputs and the selections. Measure the
+    # reference on the forward path too, so both count the same things.
+    deferred = _dsa_step._deferred_target
+    _dsa_step._deferred_target = lambda *args: None
+    try:
+        single, _ = measure(ref)
+    finally:
+        _dsa_step._deferred_target = deferred
     rank, gathered = measure(cp)
     return {"single": single, "rank": rank, "gathered": gathered, "tokens": ids.shape[1]}
 
