@@ -25,6 +25,7 @@ with ``config.json`` beside it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -195,6 +196,11 @@ def main() -> None:
         if plugin is not None and "FSDP_TRANSFORMER_CLS_TO_WRAP" not in os.environ:
             plugin.transformer_cls_names_to_wrap = None
         train(Accelerator(), phase, args.steps, args.out / phase, args.save)
+    # Once in CI a rank aborted at exit ("terminate called without an active exception", SIGABRT) after
+    # the last phase: Gloo's worker threads can still hold work objects (and tensors) when the
+    # interpreter finalises. Free the phases' objects and leave the group together, while Python is alive.
+    gc.collect()
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
