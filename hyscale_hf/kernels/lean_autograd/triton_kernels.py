@@ -15,33 +15,8 @@ any row stride; row offsets are int64 (1M rows x 32K columns passes 2**31 elemen
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-
-@triton.jit
-def _round(x, TY: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x`` rounded to ``TY`` to nearest even, as torch rounds. Compiled Triton converts so; the
-    interpreter (Triton 3.x) truncates fp32 -> bf16, so under it bf16 is rounded from the bits."""
-    if INTERPRET:
-        if TY == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + (0x7FFF + ((bits >> 16) & 1))
-            half = tl.where(x == x, bits >> 16, 0x7FC0)  # NaN would carry into inf: a quiet NaN instead
-            return half.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(TY)
-    else:
-        return x.to(TY)
-
-
-@triton.jit
-def _exp(x, PRECISE_EXP: tl.constexpr):
-    # tl.exp compiles to the approximate ex2 (off by several ulp for |x| >> 1); libdevice's expf is
-    # what torch's CUDA silu calls. The interpreter has no libdevice: it runs tl.exp (numpy's exp).
-    if PRECISE_EXP:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
+from ..triton_math import exp_like_torch, round_like_torch
 
 
 @triton.jit
@@ -54,8 +29,8 @@ def _tile(ptr, rows, rmask, stride, cols, N):
 def _normed(x, r, w, X_TY: tl.constexpr, Y_TY: tl.constexpr, INTERPRET: tl.constexpr):
     """``weight * (x * r).to(x.dtype)`` with torch's roundings: normalised in fp32, rounded to x's dtype,
     then the product with the weight in fp32 rounded to y's (the promoted) dtype."""
-    xn = _round(x * r[:, None], X_TY, INTERPRET).to(tl.float32)
-    return _round(w.to(tl.float32)[None, :] * xn, Y_TY, INTERPRET)
+    xn = round_like_torch(x * r[:, None], X_TY, INTERPRET).to(tl.float32)
+    return round_like_torch(w.to(tl.float32)[None, :] * xn, Y_TY, INTERPRET)
 
 
 @triton.jit
@@ -102,7 +77,7 @@ def _rms_grad_parts(x_ptr, w_ptr, dy_ptr, rows, rmask, r, cols, N, stride_x, str
     xn = tl.load(xp, mask=mask, other=0.0).to(tl.float32) * r[:, None]
     dy = tl.load(dyp, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    g = _round(dy * w[None, :], G_TY, INTERPRET).to(tl.float32)
+    g = round_like_torch(dy * w[None, :], G_TY, INTERPRET).to(tl.float32)
     return xn, dy, g, mask
 
 
@@ -129,11 +104,11 @@ def rms_norm_bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dwp_ptr, M, N, stride_x, s
             xn, dy, g, mask = _rms_grad_parts(x_ptr, w_ptr, dy_ptr, rows, rmask, r, cols, N, stride_x, stride_dy,
                                               G_TY, INTERPRET)
             if DW:
-                dw += dy * _round(xn, X_TY, INTERPRET).to(tl.float32)
+                dw += dy * round_like_torch(xn, X_TY, INTERPRET).to(tl.float32)
             if DX:
                 c = tl.sum(g * xn, axis=1) * inv_n
                 dxp, _ = _tile(dx_ptr, rows, rmask, stride_dx, cols, N)
-                tl.store(dxp, _round(r[:, None] * (g - xn * c[:, None]), DX_TY, INTERPRET), mask=mask)
+                tl.store(dxp, round_like_torch(r[:, None] * (g - xn * c[:, None]), DX_TY, INTERPRET), mask=mask)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for n0 in range(0, N, BLOCK_N):
@@ -145,7 +120,7 @@ def rms_norm_bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dwp_ptr, M, N, stride_x, s
                 xn, dy, g, mask = _rms_grad_parts(x_ptr, w_ptr, dy_ptr, rows, rmask, r, n0 + cols, N, stride_x,
                                                   stride_dy, G_TY, INTERPRET)
                 dxp, _ = _tile(dx_ptr, rows, rmask, stride_dx, n0 + cols, N)
-                tl.store(dxp, _round(r[:, None] * (g - xn * c[:, None]), DX_TY, INTERPRET), mask=mask)
+                tl.store(dxp, round_like_torch(r[:, None] * (g - xn * c[:, None]), DX_TY, INTERPRET), mask=mask)
     if ONE_BLOCK:
         if DW:
             tl.store(dwp_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=cols < N)
@@ -166,7 +141,7 @@ def rms_norm_dw(x_ptr, r_ptr, dy_ptr, dwp_ptr, M, N, stride_x, stride_dy,
         r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
         xp, mask = _tile(x_ptr, rows, rmask, stride_x, cols, N)
         dyp, _ = _tile(dy_ptr, rows, rmask, stride_dy, cols, N)
-        xn = _round(tl.load(xp, mask=mask, other=0.0).to(tl.float32) * r[:, None], X_TY, INTERPRET)
+        xn = round_like_torch(tl.load(xp, mask=mask, other=0.0).to(tl.float32) * r[:, None], X_TY, INTERPRET)
         acc += tl.load(dyp, mask=mask, other=0.0).to(tl.float32) * xn.to(tl.float32)
     tl.store(dwp_ptr + pid * N + cols, tl.sum(acc, axis=0), mask=cols < N)
 
@@ -175,7 +150,7 @@ def rms_norm_dw(x_ptr, r_ptr, dy_ptr, dwp_ptr, M, N, stride_x, stride_dy,
 def _silu_and_sigmoid(g, PRECISE_EXP: tl.constexpr):
     """fp32 silu(g) = g / (1 + exp(-g)) and sigmoid(g) = 1 / (1 + exp(-g)), torch's formulas, with
     IEEE divisions (Triton's ``/`` on fp32 compiles to an approximate one)."""
-    d = 1.0 + _exp(-g, PRECISE_EXP)
+    d = 1.0 + exp_like_torch(-g, PRECISE_EXP)
     return tl.math.div_rn(g, d), tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
 
 
@@ -192,8 +167,8 @@ def swiglu_fwd(g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h,
     up, _ = _tile(u_ptr, rows, rmask, stride_u, cols, N)
     hp, _ = _tile(h_ptr, rows, rmask, stride_h, cols, N)
     act, _ = _silu_and_sigmoid(tl.load(gp, mask=mask, other=0.0).to(tl.float32), PRECISE_EXP)
-    act = _round(act, TY, INTERPRET).to(tl.float32)
-    tl.store(hp, _round(act * tl.load(up, mask=mask, other=0.0).to(tl.float32), TY, INTERPRET), mask=mask)
+    act = round_like_torch(act, TY, INTERPRET).to(tl.float32)
+    tl.store(hp, round_like_torch(act * tl.load(up, mask=mask, other=0.0).to(tl.float32), TY, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -213,9 +188,9 @@ def swiglu_bwd(dp_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, M, N, stride_dp, stride_g, 
     g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up, mask=mask, other=0.0).to(tl.float32)
     act, s = _silu_and_sigmoid(g, PRECISE_EXP)
-    d_up = _round(dp * _round(act, TY, INTERPRET).to(tl.float32), TY, INTERPRET)
-    t = _round(dp * u, TY, INTERPRET).to(tl.float32)
-    d_gate = _round(t * s * (1.0 + g * (1.0 - s)), TY, INTERPRET)  # aten silu_backward's formula
+    d_up = round_like_torch(dp * round_like_torch(act, TY, INTERPRET).to(tl.float32), TY, INTERPRET)
+    t = round_like_torch(dp * u, TY, INTERPRET).to(tl.float32)
+    d_gate = round_like_torch(t * s * (1.0 + g * (1.0 - s)), TY, INTERPRET)  # aten silu_backward's formula
     dgp, _ = _tile(dg_ptr, rows, rmask, stride_dg, cols, N)
     dup, _ = _tile(du_ptr, rows, rmask, stride_du, cols, N)
     tl.store(dgp, d_gate, mask=mask)
