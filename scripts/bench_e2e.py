@@ -40,8 +40,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from hyscale_hf.benchmarking.memory import free, host_pinned_gib, is_oom, oom_message
-from hyscale_hf.benchmarking.stacks import ARMS, STACKS, TILE_TOKENS, make_arm, time_ms
-from hyscale_hf.kernels import chunked_cross_entropy
+from hyscale_hf.benchmarking.stacks import ARMS, STACKS, TILE_TOKENS, make_arm, step_loss, time_ms
 
 DEFAULT_ARMS = ARMS[:4]
 
@@ -51,22 +50,12 @@ def oom_row(T: int, err: BaseException) -> dict:
     return {"T": T, "oom": True, "error": oom_message(err), "host_pinned_peak_gib": host_pinned_gib()}
 
 
-def chunked_lm_loss(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Next-token loss with the LM head and cross-entropy run ``chunk`` tokens at a time
-    (``hyscale_hf.kernels.chunked_cross_entropy``), the same for every arm, so the [T, vocab] logits
-    (and their fp32 copy and gradient) never exist whole. The value of ``model(input_ids=ids,
-    labels=ids).loss``; a patched model gets the same with ``patch_model(model, lm_loss_chunk=chunk)``."""
-    hidden = model.model(input_ids=ids).last_hidden_state
-    return chunked_cross_entropy(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:], chunk)
-
-
 def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int, loss_chunk: int = 0) -> dict:
     ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = chunked_lm_loss(model, ids, loss_chunk) if loss_chunk else model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        step_loss(model, ids, loss_chunk).backward()
         optimizer.step()
 
     for _ in range(warmup):

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, sync
+from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, step_loss, sync
 
 # First match wins. Kernel names of this package's Triton kernels, cuBLAS / CUTLASS matmuls, flash /
 # cuDNN attention, and the aten ops a CPU profile lists.
@@ -117,7 +117,7 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        step_loss(model, ids, args.loss_chunk).backward()
         optimizer.step()
 
     try:
@@ -174,6 +174,8 @@ def main(argv=None) -> dict:
     p.add_argument("--arm", choices=ARMS, default="hyscale")
     p.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: 65536 131072 (GPU), 32 (--tiny)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the stack's, as in bench_e2e)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="tokens per LM-head/cross-entropy chunk, as bench_e2e (0: the model's own loss over whole logits)")
     p.add_argument("--top", type=int, default=15, help="kernels listed by time")
     p.add_argument("--sites", type=int, default=0,
                    help="also list the N costliest call sites of elementwise and copy ops (records Python stacks)")
@@ -182,8 +184,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.stack == "smollm2" and args.arm == "native":
         p.error("--arm native: the smollm2 stack is a dense model (its unpatched arm is 'dense')")
-    if args.top < 1 or args.sites < 0 or any(T < 2 for T in args.seqlens or [2]):
-        p.error("--top must be >= 1, --sites >= 0 and every --seqlens entry >= 2")
+    if args.top < 1 or args.sites < 0 or args.loss_chunk < 0 or any(T < 2 for T in args.seqlens or [2]):
+        p.error("--top must be >= 1, --sites and --loss-chunk >= 0 and every --seqlens entry >= 2")
     stack = STACKS[args.stack]
     args.layers = args.layers or stack["layers"]
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -192,7 +194,7 @@ def main(argv=None) -> dict:
     args.seqlens = args.seqlens or ([32] if args.tiny else [65536, 131072])
     unit = "GPU kernel time" if device.type == "cuda" else "aten op CPU time"
     result = {"stack": args.stack, "arm": args.arm, "layers": args.layers,
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "loss_chunk": args.loss_chunk, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype), "unit": unit, "rows": []}
     os.makedirs(args.out, exist_ok=True)
     for T in args.seqlens:

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from ..kernels import chunked_cross_entropy
+
 GLM5 = dict(
     hidden_size=6144, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
     qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
@@ -126,6 +128,18 @@ def enable_checkpointing(model) -> None:
     else:  # 5.17
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
+
+
+def step_loss(model, ids: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
+    """The next-token loss of a benchmark step: ``model(input_ids=ids, labels=ids).loss``, or with
+    ``loss_chunk`` the LM head and cross-entropy run that many tokens at a time
+    (``kernels.chunked_cross_entropy``), the same for every arm, so the [T, vocab] logits (and their
+    fp32 copy and gradient) never exist whole. A patched model gets the same loss with
+    ``patch_model(model, lm_loss_chunk=chunk)``."""
+    if not loss_chunk:
+        return model(input_ids=ids, labels=ids).loss
+    hidden = model.model(input_ids=ids).last_hidden_state
+    return chunked_cross_entropy(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:], loss_chunk)
 
 def sync(device) -> None:
     if torch.device(device).type == "cuda":

@@ -26,10 +26,11 @@ def test_categories_sort_kernel_names():
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("stack,arm", [("smollm2", "hyscale"), ("smollm2", "dense")])
 def test_profile_step_tiny(tmp_path, stack, arm, capsys):
+    chunk = 16 if arm == "dense" else 0  # the LM loss in chunks (bench_e2e's --loss-chunk) on one arm
     result = _script().main(["--tiny", "--stack", stack, "--arm", arm, "--layers", "2", "--seqlens", "32",
-                             "--top", "5", "--out", str(tmp_path)])
+                             "--top", "5", "--loss-chunk", str(chunk), "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile_step.json").read_text())
-    assert saved == json.loads(json.dumps(result))
+    assert saved == json.loads(json.dumps(result)) and saved["loss_chunk"] == chunk
     (row,) = saved["rows"]
     assert row["T"] == 32 and row["kernel_ms_total"] > 0 and len(row["top_kernels"]) == 5
     shares = [c["share"] for c in row["categories"]]
@@ -71,3 +72,5 @@ def test_profile_step_rejects_bad_arguments(tmp_path):
         _script().main(["--tiny", "--seqlens", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         _script().main(["--tiny", "--sites", "-1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        _script().main(["--tiny", "--loss-chunk", "-1", "--out", str(tmp_path)])
