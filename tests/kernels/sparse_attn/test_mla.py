@@ -118,10 +118,27 @@ def test_head_probs_receive_the_head_summed_probabilities(backend, monkeypatch):
     assert (slot.value is None) == (backend == "triton")
     o.sum().backward()
     torch.testing.assert_close(slot.take(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(want[1, 2], torch.zeros(K))  # the query without a key
+    assert torch.equal(want[1, 2], torch.zeros(K, device=want.device))  # the query without a key
 
 
 def test_head_probs_must_be_a_head_probs():
     q_nope, q_rot, kv_b, w_uk, latent, kv, idx = make()
     with pytest.raises(TypeError, match="head_probs"):
         mla_sparse_attention(q_nope, q_rot, w_uk, kv, idx, value_dim=C, scale=0.3, head_probs=[])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_query_without_autograd_is_the_einsum_and_cat_bit_for_bit(dtype):
+    """The build for the op's forward and backward (no autograd: the product written into the query's
+    columns) against the autograd one (einsum + cat), on strided views as the model passes them."""
+    from hyscale_hf.kernels.sparse_attn.mla_query import absorbed_query
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, S, H, N + R, generator=g).to(DEVICE, dtype)
+    q_nope, q_rot = q[..., :N], q[..., N:]  # split views of one projection
+    w_uk = torch.randn(H, N + 12, C, generator=g).to(DEVICE, dtype)[:, :N]
+    with torch.no_grad():
+        fast = absorbed_query(q_nope, q_rot, w_uk)
+    slow = absorbed_query(q_nope.requires_grad_(), q_rot, w_uk)
+    assert slow.requires_grad and fast.is_contiguous() and fast.shape == (B, S, H, C + R)
+    assert torch.equal(fast, slow.detach())
