@@ -225,6 +225,17 @@ def indexer_kl_backward_triton(grad_kl, index_q, index_k, index_w, indices, targ
 # ----------------------------------------------------------------------------- autograd wrapper
 
 
+def _indexer_grads(ctx, grad_kl):
+    """Backward of the Triton KL functions below: gradients to index_q, index_k, index_w (their first
+    three inputs) from what their forward saved; None for every other input."""
+    index_q, index_k, index_w, indices, target, z, lse_i = ctx.saved_tensors
+    dq, dk, dw = indexer_kl_backward_triton(
+        grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config
+    )
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dw if need[2] else None) + (None,) * (len(need) - 3)
+
+
 class _IndexerKLSparse(torch.autograd.Function):
     """Per-query sparse-stage KL [B, S]; gradients to index_q, index_k, index_w only."""
 
@@ -242,13 +253,7 @@ class _IndexerKLSparse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_kl):
-        index_q, index_k, index_w, indices, target, z, lse_i = ctx.saved_tensors
-        dq, dk, dw = indexer_kl_backward_triton(
-            grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config
-        )
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dw if need[2] else None,
-                None, None, None, None, None, None, None)
+        return _indexer_grads(ctx, grad_kl)
 
 
 class _IndexerKLGivenTarget(torch.autograd.Function):
@@ -266,12 +271,7 @@ class _IndexerKLGivenTarget(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_kl):
-        index_q, index_k, index_w, indices, target, z, lse_i = ctx.saved_tensors
-        dq, dk, dw = indexer_kl_backward_triton(
-            grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config
-        )
-        need = ctx.needs_input_grad
-        return dq if need[0] else None, dk if need[1] else None, dw if need[2] else None, None, None, None, None
+        return _indexer_grads(ctx, grad_kl)
 
 
 def indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, *, attn_lse, scale, relu,

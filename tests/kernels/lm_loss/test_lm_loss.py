@@ -13,7 +13,6 @@ from hyscale_hf.kernels import chunked_cross_entropy
 from hyscale_hf.kernels.lm_loss import host
 from hyscale_hf.kernels.lm_loss.naive import cross_entropy_reference
 
-
 # These tests keep their tensors on the CPU: the Triton path runs there under the interpreter, which
 # tests/conftest.py turns on on CPU-only hosts (on a GPU host the GPU test below covers the kernel).
 needs_interpreter = pytest.mark.skipif(not host.HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
