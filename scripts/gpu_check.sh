@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
-# SATTN_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S
+# SATTN_ARGS, LM_LOSS_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S
 # (seconds). Stages e2e_smollm2, long, memory, profile and cp are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
@@ -51,7 +51,8 @@ for s in $stages; do
     kernels)
       stage bench_hytopk 300 python3 scripts/bench_hytopk.py --out "$RES" ${HYTOPK_ARGS:-}
       stage bench_sparse_attention 240 python3 scripts/bench_sparse_attention.py --out "$RES" ${SATTN_ARGS:-}
-      stage bench_indexer_loss 120 python3 scripts/bench_indexer_loss.py --out "$RES/bench_indexer_loss.json" ;;
+      stage bench_indexer_loss 120 python3 scripts/bench_indexer_loss.py --out "$RES/bench_indexer_loss.json"
+      stage bench_lm_loss 200 python3 scripts/bench_lm_loss.py --out "$RES/lm_loss" ${LM_LOSS_ARGS:-} ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
