@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from torch import nn
 
 from hyscale_hf.benchmarking.cli import require_positive
 from hyscale_hf.benchmarking.memory import is_oom
+from hyscale_hf.benchmarking.stacks import time_ms
 from hyscale_hf.kernels import chunked_cross_entropy
 
 ARMS = ("fused", "checkpointed", "whole")
@@ -38,19 +38,6 @@ def loss_fn(arm: str, head: nn.Linear, chunk: int):
     if arm == "checkpointed":
         return lambda h, y: chunked_cross_entropy(h, lambda x: F.linear(x, head.weight), y, chunk)
     return lambda h, y: F.cross_entropy(head(h).float(), y)
-
-
-def timed_ms(fn, device, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def measure(arm: str, T: int, args, device, dtype) -> dict:
@@ -73,7 +60,7 @@ def measure(arm: str, T: int, args, device, dtype) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        times = timed_ms(step, device, args.reps)
+        times = time_ms(step, device, args.reps)
         row["ms"] = sorted(times)[len(times) // 2]
         if device.type == "cuda":
             row["peak_gib_above_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30

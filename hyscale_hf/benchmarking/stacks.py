@@ -129,7 +129,6 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-
 def step_loss(model, ids: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
     """The next-token loss of a benchmark step: ``model(input_ids=ids, labels=ids).loss``, or with
     ``loss_chunk`` the LM head and cross-entropy run that many tokens at a time
@@ -140,6 +139,7 @@ def step_loss(model, ids: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss
     hidden = model.model(input_ids=ids).last_hidden_state
     return chunked_cross_entropy(hidden[:, :-1], model.get_output_embeddings(), ids[:, 1:], loss_chunk)
+
 
 def sync(device) -> None:
     if torch.device(device).type == "cuda":

@@ -23,17 +23,19 @@ class Hooked(nn.Linear):
     """A head that is not a plain nn.Linear (as a LoRA layer is not): the checkpointed path."""
 
 
-def inputs(n=37, hidden=16, vocab=50, seed=0, bias=False, head_cls=nn.Linear):
+def inputs(n=37, hidden=16, vocab=50, seed=0, bias=False, head_cls=nn.Linear, *, device="cpu", dtype=torch.float32,
+           weight_scale=1.0):
+    """Hidden states, a head and labels with three ignored rows (drawn on the CPU, then moved)."""
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hidden, generator=g).requires_grad_()
-    head = head_cls(hidden, vocab, bias=bias)
+    h = torch.randn(n, hidden, generator=g).to(device, dtype).requires_grad_()
+    head = head_cls(hidden, vocab, bias=bias, device=device, dtype=dtype)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(vocab, hidden, generator=g))
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g) * weight_scale)
         if bias:
             head.bias.copy_(torch.randn(vocab, generator=g))
     y = torch.randint(0, vocab, (n,), generator=g)
     y[[3, 10, 11]] = -100
-    return h, head, y
+    return h, head, y.to(device)
 
 
 def loss_and_grads(fn, scale=1.0, **kw):
@@ -181,14 +183,7 @@ def test_bad_arguments_are_named():
 def test_gpu_glm5_vocabulary_against_the_whole_logits_loss():
     """GLM-5's vocabulary (154880) in bf16 on the Triton kernel: loss and gradients of the whole-logits
     reference within bf16 rounding."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n, hidden, vocab = 3000, 1024, 154880
-    h = (torch.randn(n, hidden, device="cuda", generator=g)).bfloat16().requires_grad_()
-    head = nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(vocab, hidden, device="cuda", generator=g) * hidden**-0.5)
-    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
-    y[::7] = -100
+    h, head, y = inputs(3000, 1024, 154880, device="cuda", dtype=torch.bfloat16, weight_scale=1024**-0.5)
     got = chunked_cross_entropy(h, head, y, 1024)
     g_got = torch.autograd.grad(got, [h, head.weight])
     want = cross_entropy_reference(h, head, y)
