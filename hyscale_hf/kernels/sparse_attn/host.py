@@ -18,6 +18,7 @@ try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference 
     import triton
 
     from . import triton_kernels as kernels
+    from .key_passes import key_passes
     from .tile_unions import tile_unions
 except ImportError:  # pragma: no cover
     triton = None
@@ -71,6 +72,9 @@ class SparseAttentionConfig:
     the Triton forward there (the same-run baseline of ``scripts/bench_sparse_attention.py``).
     ``mla_gluon_bwd``: the same for the dS + dK/dV kernel of the backward (``mla_backward_gluon.py``;
     the atomic backward only: the deterministic one always runs the Triton kernels).
+    ``mla_bwd_pass_bytes``: that kernel's fp32 accumulator (B * T rows of 576) is added to in key
+    passes of at most this many bytes each, so each pass's atomics stay in L2 (``key_passes.py``);
+    0 adds in one pass.
     """
 
     fwd: dict = field(default_factory=dict)
@@ -81,6 +85,7 @@ class SparseAttentionConfig:
     tile_rows: int = 128
     mla_gluon: bool = True
     mla_gluon_bwd: bool = True
+    mla_bwd_pass_bytes: int = 32 << 20
 
     def overrides(self, kind: str) -> dict:
         """The launch overrides of kernel ``kind`` ("fwd", "bwd", "bwd_dq", "fwd_tiled", "bwd_tiled")."""
@@ -89,6 +94,30 @@ class SparseAttentionConfig:
 
 # What ``config=None`` means: read at call time (tests swap it for small blocks).
 DEFAULT_CONFIG = SparseAttentionConfig()
+
+
+def key_pass_count(acc: torch.Tensor, config: SparseAttentionConfig) -> int:
+    """Key passes of the Gluon dK/dV kernel for the fp32 accumulator ``acc`` [B, T, 1, C]."""
+    if config.mla_bwd_pass_bytes <= 0:
+        return 1
+    return max(1, triton.cdiv(acc.numel() * acc.element_size(), config.mla_bwd_pass_bytes))
+
+
+def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, t0: int, count: int) -> torch.Tensor:
+    """fp32 [B, count, H]: rowsum(dO * O) - dlse of tokens [t0, t0 + count) (o, do [B, S, H, Dv] with
+    unit inner stride, Dv a power of two)."""
+    B, _, H, dv = o.shape
+    if dv & (dv - 1) or o.stride(3) != 1 or do.stride(3) != 1:
+        raise ValueError(f"row_delta takes rows of a power-of-two width with unit stride, got o {tuple(o.shape)}")
+    delta = torch.empty(B, count, H, dtype=torch.float32, device=o.device)
+    dl = dlse if dlse is not None else delta  # unread without HAS_DLSE
+    block_h = max(1, min(triton.next_power_of_2(H), 8192 // dv))
+    kernels.row_delta_kernel[(count, B, triton.cdiv(H, block_h))](
+        do, o, dl, delta, do.stride(0), do.stride(1), do.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        dl.stride(0), dl.stride(1), dl.stride(2), delta.stride(0), delta.stride(1), delta.stride(2), t0, H,
+        DV=dv, BLOCK_H=block_h, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+    return delta
 
 
 def resolve_config(config: SparseAttentionConfig | None) -> SparseAttentionConfig:
@@ -411,14 +440,24 @@ def sparse_attention_bwd(
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
 
     gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
+    passes = key_pass_count(acc, config) if gluon_dkv else 1
     for t0 in range(0, units, chunk):
         count = min(chunk, units - t0)
+        dq_idx, dq_idx_t0 = idx, 0  # the slots dS was written for
         if gluon_dkv:
             z = _unit_dims_zeroed
-            mla_backward_gluon.mla_backward_dkv(
-                z(q), z(k), idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E,
-                psum=psum,
-            )
+            dkv = lambda idx_, **kw: mla_backward_gluon.mla_backward_dkv(  # noqa: E731
+                z(q), z(k), idx_, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E,
+                psum=psum, **kw,
+            )  # fmt: skip
+            if passes == 1:
+                dkv(idx)
+            else:  # the chunk's slots regrouped by key range, one launch per range (key_passes.py)
+                idx_p, perm, off = key_passes(idx.contiguous(), t0, count, T, passes)
+                delta = row_delta(z(o), z(do), dlse, t0, count)
+                for p in range(passes):
+                    dkv(idx_p, key_pass=(p, perm, off, delta))
+                dq_idx, dq_idx_t0 = idx_p, t0
         elif split:
             args = (
                 *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(), *do.stride(),
@@ -435,8 +474,8 @@ def sparse_attention_bwd(
                 raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")
             slab = min(d1, qcfg["SLAB"])
             kernels.sparse_attn_bwd_dq_kernel[(count, grid_heads, d1 // slab)](
-                ds_buf, k, idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
-                *k.stride(), *idx.stride(), *dq.stride(), t0, S, L, Hkv, group, nhb,
+                ds_buf, k, dq_idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
+                *k.stride(), *dq_idx.stride(), *dq.stride(), t0, dq_idx_t0, S, L, Hkv, group, nhb,
                 D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
                 DOT_PREC=_dot_precision(q.dtype), num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],
             )  # fmt: skip

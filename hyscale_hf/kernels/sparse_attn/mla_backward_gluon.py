@@ -89,8 +89,9 @@ def _gather_block(k_base, s_kt, kid, kv_smem, rope_smem, cols):
 @gluon.jit
 def _softmax_partition(
     q_base, s_qh, do_base, s_doh, o_base, s_oh, lse_base, s_lh, dlse_base, s_dlh, ds_base, s_dsh,
-    k_base, s_kt, idx_base, count, num_idx, n_blocks, sm_scale, qk_scale,
+    k_base, s_kt, idx_base, count, n_blocks, sm_scale, qk_scale, delta_base, s_deh,
     q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE: gl.constexpr,
+    PASSES: gl.constexpr,
 ):  # fmt: skip
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
@@ -101,29 +102,37 @@ def _softmax_partition(
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY))
     q_rows = q_base + rows[:, None].to(gl.int64) * s_qh
-    _copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
-    _copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
-    async_copy.commit_group()
-    if n_blocks > 0:
-        _gather_block(k_base, s_kt, _block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
-
-    # delta = rowsum(dO * O) - dlse: d(loss)/d(logit) = p * (dp - delta). dO is read back from its
-    # shared-memory copy, 64 columns at a time (a [64, 512] register tile would not fit).
     heads = gl.arange(0, HEADS, layout=ROW)
-    if n_blocks > 0:  # Q and dO are in shared memory (block 0's gather may still run)
-        async_copy.wait_group(1)
+    if PASSES:  # delta comes from the chunk's buffer; a row without keys in this pass loads nothing
+        if n_blocks > 0:
+            _copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
+            _copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
+            async_copy.commit_group()
+            _gather_block(k_base, s_kt, _block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
+        delta = gl.load(delta_base + heads * s_deh)
     else:
-        async_copy.wait_group(0)
-    _sync_partition()
-    delta = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, COPY))
-    o_rows = o_base + rows[:, None].to(gl.int64) * s_oh
-    for c in gl.static_range(D_V // 64):
-        d_o = do_smem.slice(c * 64, 64, dim=1).load(COPY).to(gl.float32)
-        o = gl.load(o_rows + (c * 64 + cols)[None, :]).to(gl.float32)
-        delta += gl.sum(d_o * o, axis=1)
-    delta = gl.convert_layout(delta, ROW)
-    if HAS_DLSE:
-        delta -= gl.load(dlse_base + heads * s_dlh)
+        _copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
+        _copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
+        async_copy.commit_group()
+        if n_blocks > 0:
+            _gather_block(k_base, s_kt, _block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
+
+        # delta = rowsum(dO * O) - dlse: d(loss)/d(logit) = p * (dp - delta). dO is read back from
+        # its shared-memory copy, 64 columns at a time (a [64, 512] register tile would not fit).
+        if n_blocks > 0:  # Q and dO are in shared memory (block 0's gather may still run)
+            async_copy.wait_group(1)
+        else:
+            async_copy.wait_group(0)
+        _sync_partition()
+        delta = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, COPY))
+        o_rows = o_base + rows[:, None].to(gl.int64) * s_oh
+        for c in gl.static_range(D_V // 64):
+            d_o = do_smem.slice(c * 64, 64, dim=1).load(COPY).to(gl.float32)
+            o = gl.load(o_rows + (c * 64 + cols)[None, :]).to(gl.float32)
+            delta += gl.sum(d_o * o, axis=1)
+        delta = gl.convert_layout(delta, ROW)
+        if HAS_DLSE:
+            delta -= gl.load(dlse_base + heads * s_dlh)
     lse = gl.load(lse_base + heads * s_lh)
     lse2 = gl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # a row without keys: p = 0
 
@@ -149,7 +158,7 @@ def _softmax_partition(
         # key ids in this layout held across the products would make the partition spill)
         p = gl.where((kid >= 0)[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = ((p * (dp - delta[:, None])) * sm_scale).to(ds_smem.dtype)
-        gl.store(ds_rows + slot[None, :], ds, mask=(slot < num_idx)[None, :])
+        gl.store(ds_rows + slot[None, :], ds, mask=(slot < count)[None, :])
         if j > 0:  # the contributions of block j - 1 are formed: P and dS may be overwritten
             mbarrier.wait(bars.index(_PDS_FREE), (j - 1) & 1)
         p_smem.store(p.to(p_smem.dtype))
@@ -163,7 +172,8 @@ def _softmax_partition(
 @gluon.jit
 def _contribution_partition(
     n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem, bars,
-    ones_smem, psum_base, psum_atomic, COL0: gl.constexpr, WITH_ROPE: gl.constexpr, WITH_PSUM: gl.constexpr,
+    ones_smem, psum_base, psum_atomic, perm_base, use_perm,
+    COL0: gl.constexpr, WITH_ROPE: gl.constexpr, WITH_PSUM: gl.constexpr,
 ):  # fmt: skip
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_V, 16]
@@ -222,10 +232,14 @@ def _contribution_partition(
             if WITH_PSUM:
                 head_sum = gl.sum(sums, axis=1)  # within each row's lanes: the other columns are 0
                 slot = j * BLOCK + keys_sum
-                if psum_atomic:
-                    gl.atomic_add(psum_base + slot, head_sum, mask=slot < count, sem="relaxed")
+                if use_perm:  # a pass walks regrouped slots: the sums go to the original ones
+                    slot_out = gl.load(perm_base + slot, mask=slot < count, other=0)
                 else:
-                    gl.store(psum_base + slot, head_sum, mask=slot < count)
+                    slot_out = slot
+                if psum_atomic:
+                    gl.atomic_add(psum_base + slot_out, head_sum, mask=slot < count, sem="relaxed")
+                else:
+                    gl.store(psum_base + slot_out, head_sum, mask=slot < count)
             gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
         kid = kid_next
 
@@ -234,23 +248,26 @@ def _contribution_partition(
 # shared-memory slice) and the head sums are fixed by one small entry function each
 @gluon.jit
 def _contribution_low(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                      bars, ones_smem, psum_base, psum_atomic):  # fmt: skip
+                      bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, ones_smem, psum_base, psum_atomic, 0, False, False)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, 0, False,
+                            False)  # fmt: skip
 
 
 @gluon.jit
 def _contribution_low_psum(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                           ds_smem, bars, ones_smem, psum_base, psum_atomic):  # fmt: skip
+                           ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, ones_smem, psum_base, psum_atomic, 0, False, True)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, 0, False,
+                            True)  # fmt: skip
 
 
 @gluon.jit
 def _contribution_high(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                       bars, ones_smem, psum_base, psum_atomic):  # fmt: skip
+                       bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, ones_smem, psum_base, psum_atomic, HALF_V, True, False)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, HALF_V, True,
+                            False)  # fmt: skip
 
 
 @gluon.jit
@@ -258,20 +275,36 @@ def mla_backward_dkv_kernel(
     q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_ptr, acc_ptr,
     s_qb, s_qs, s_qh, s_kb, s_kt, s_ib, s_is, s_nb, s_ob, s_os, s_oh, s_dob, s_dos, s_doh,
     s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, s_dsb, s_dss, s_dsh, s_ab, s_at, psum_ptr, s_pb, s_ps,
-    t_offset, num_idx, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr, PSUM: gl.constexpr,
+    off_ptr, s_fb, s_fs, pass_idx, perm_ptr, delta_ptr, s_eb, s_es, s_eh,
+    t_offset, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr, PSUM: gl.constexpr,
+    PASSES: gl.constexpr,
 ):  # fmt: skip
     """Query token t = t_offset + program_id(0), heads 64 * hb + [0, 64) of batch b (program_id(1)
     = b * num_head_blocks + hb): dS of its first num[b, t] index slots to ds[b, program_id(0)] and
     the pairs' contributions into acc[b, key]; with PSUM (1: store, 2: atomic add, for several head
-    blocks) also the slots' head-summed P to psum[b, t]."""
+    blocks) also the slots' head-summed P to psum[b, t].
+
+    With PASSES, idx is the chunk's regrouped slots (``key_passes``: row program_id(0), the same
+    strides as perm) and the program walks pass ``pass_idx``'s slots [off[.., p], off[.., p + 1]):
+    their dS to the same slots of ds, their head sums to psum at the original slots (perm), and
+    delta (rowsum(dO * O) - dlse) read from delta[b, program_id(0)] instead of computed."""
     t_local = gl.program_id(0).to(gl.int64)
     t = t_offset + t_local
     hb = gl.program_id(1) % num_head_blocks
     b = (gl.program_id(1) // num_head_blocks).to(gl.int64)
-    count = gl.load(num_ptr + b * s_nb + t)
-    n_blocks = gl.cdiv(count, BLOCK)
     h0 = (hb * HEADS).to(gl.int64)
-    idx_base = idx_ptr + b * s_ib + t * s_is
+    ds_base = ds_ptr + b * s_dsb + t_local * s_dss + h0 * s_dsh
+    if PASSES:
+        lo = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx)
+        count = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx + 1) - lo
+        idx_base = idx_ptr + b * s_ib + t_local * s_is + lo
+        perm_base = perm_ptr + b * s_ib + t_local * s_is + lo
+        ds_base += lo
+    else:
+        count = gl.load(num_ptr + b * s_nb + t)
+        idx_base = idx_ptr + b * s_ib + t * s_is
+        perm_base = idx_base  # unread
+    n_blocks = gl.cdiv(count, BLOCK)
 
     dt: gl.constexpr = q_ptr.dtype.element_ty
     MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -297,15 +330,15 @@ def mla_backward_dkv_kernel(
 
     acc_base = acc_ptr + b * s_ab
     contribution_args = (n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                         bars, ones_smem, psum_ptr + b * s_pb + t * s_ps, PSUM == 2)  # fmt: skip
+                         bars, ones_smem, psum_ptr + b * s_pb + t * s_ps, PSUM == 2, perm_base, pass_idx >= 0)  # fmt: skip
     gl.warp_specialize(
         [
             (_softmax_partition, (
                 q_ptr + b * s_qb + t * s_qs + h0 * s_qh, s_qh, do_ptr + b * s_dob + t * s_dos + h0 * s_doh, s_doh,
                 o_ptr + b * s_ob + t * s_os + h0 * s_oh, s_oh, lse_ptr + b * s_lb + t * s_ls + h0 * s_lh, s_lh,
-                dlse_ptr + b * s_dlb + t * s_dls + h0 * s_dlh, s_dlh, ds_ptr + b * s_dsb + t_local * s_dss + h0 * s_dsh,
-                s_dsh, k_ptr + b * s_kb, s_kt, idx_base, count, num_idx, n_blocks, sm_scale, qk_scale,
-                q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE)),
+                dlse_ptr + b * s_dlb + t * s_dls + h0 * s_dlh, s_dlh, ds_base, s_dsh, k_ptr + b * s_kb, s_kt,
+                idx_base, count, n_blocks, sm_scale, qk_scale, delta_ptr + b * s_eb + t_local * s_es + h0 * s_eh, s_eh,
+                q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE, PASSES)),
             (_contribution_low_psum if PSUM != 0 else _contribution_low, contribution_args),
             (_contribution_high, contribution_args),
         ],
@@ -330,6 +363,7 @@ def mla_backward_dkv(
     scale: float,
     qk_scale: float,
     psum: torch.Tensor | None = None,
+    key_pass: tuple | None = None,
 ) -> None:
     """dS and the dK/dV contributions of query tokens [t_offset, t_offset + count).
 
@@ -341,6 +375,10 @@ def mla_backward_dkv(
     ``psum`` (fp32 [B, S, L], zeros): each slot's P (rounded to q's dtype, as the dV product reads it)
     summed over the heads is stored there, or added with several head blocks (slots past a row's extent
     stay 0): the indexer KL's target for one [64 keys, 8] product per block.
+
+    ``key_pass = (p, perm, off, delta)`` walks only pass p of the chunk's regrouped slots: idx is then
+    ``key_passes``' idx_p of these rows, perm / off its other outputs, and delta fp32 [B, count, H]
+    the rows' rowsum(dO * O) - dlse (``row_delta``). dS goes to ds in the regrouped slot order.
     """
     B, _, H, _ = q.shape
     if B * count == 0:
@@ -350,11 +388,18 @@ def mla_backward_dkv(
     dl = dlse if has_dlse else lse  # any fp32 [B, S, H] tensor; unread without HAS_DLSE
     mode = 0 if psum is None else (1 if nhb == 1 else 2)
     ps = lse if psum is None else psum  # unread without PSUM
+    if key_pass is None:
+        pass_idx, perm, off, delta = -1, idx, num[:, :, None], lse  # unread
+    else:
+        pass_idx, perm, off, delta = key_pass
+        if perm.stride() != idx.stride():
+            raise ValueError("key_pass: perm must have idx's strides (both from key_passes)")
     mla_backward_dkv_kernel[(count, B * nhb)](
         q, k, idx, num, o, do, lse, dl, ds, acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(0), idx.stride(1),
         num.stride(0), o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), dl.stride(0), dl.stride(1), dl.stride(2),
         ds.stride(0), ds.stride(1), ds.stride(2), acc.stride(0), acc.stride(1), ps, ps.stride(0), ps.stride(1),
-        t_offset, idx.shape[2], nhb, scale, qk_scale, HAS_DLSE=has_dlse, PSUM=mode, num_warps=4,
+        off, off.stride(0), off.stride(1), pass_idx, perm, delta, delta.stride(0), delta.stride(1), delta.stride(2),
+        t_offset, nhb, scale, qk_scale, HAS_DLSE=has_dlse, PSUM=mode, PASSES=key_pass is not None, num_warps=4,
     )  # fmt: skip

@@ -449,13 +449,15 @@ def sparse_attn_bwd_dq_kernel(
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_ib, stride_is, stride_ik,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    t_offset, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
+    t_offset, idx_t0, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
     D1: tl.constexpr, D2: tl.constexpr, SLAB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """Split backward, part 2: dQ[:, SLAB columns] = dS @ K[selected, columns] for one token.
 
-    Grid (chunk_len, B * Hkv * NHB, D1 // SLAB); the last column slab also owns the D2 tail.
+    Grid (chunk_len, B * Hkv * NHB, D1 // SLAB); the last column slab also owns the D2 tail. Token t's
+    slots are row t - idx_t0 of IDX (0: IDX holds every token; the chunk's first token: IDX holds the
+    chunk's regrouped slots, ``key_passes``).
     """
     t_local = tl.program_id(0).to(tl.int64)
     t = t_offset + t_local
@@ -468,14 +470,15 @@ def sparse_attn_bwd_dq_kernel(
     last_n = (tl.zeros([BLOCK_N], tl.int32) + j) == D1 // SLAB - 1
     last_h = (tl.zeros([BLOCK_H], tl.int32) + j) == D1 // SLAB - 1
     k_base = K + b * stride_kb + g * stride_kh
-    idx_row = IDX + b * stride_ib + t * stride_is
+    idx_row = IDX + b * stride_ib + (t - idx_t0) * stride_is
     ds_rows = DS + b * stride_dsb + t_local * stride_dss + heads[:, None] * stride_dsh
 
     acc = tl.zeros([BLOCK_H, SLAB], tl.float32)
     if D2 > 0:
         offs_d2 = D1 + tl.arange(0, D2)
         acc2 = tl.zeros([BLOCK_H, D2], tl.float32)
-    # the row's extent: a multiple of EXTENT_GRAIN, so the dK/dV kernel wrote every dS slot read here
+    # the row's extent; dS is read only at slots with a key: the dK/dV kernel writes those (and may
+    # leave the others, past a row's keys, unwritten)
     count = tl.load(NUM + b * num_queries + t)
     for start in range(0, count, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -484,7 +487,7 @@ def sparse_attn_bwd_dq_kernel(
         valid = kid >= 0
         k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
         kc = tl.load(k_rows + offs_c[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-        ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & in_row[None, :], other=0.0)
+        ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & valid[None, :], other=0.0)
         acc = tl.dot(ds, kc, acc, input_precision=DOT_PREC)
         if D2 > 0:
             k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=(valid & last_n)[:, None], other=0.0)
@@ -494,6 +497,32 @@ def sparse_attn_bwd_dq_kernel(
     tl.store(dq_rows + offs_c[None, :] * stride_dqd, acc.to(DQ.dtype.element_ty), mask=hmask[:, None])
     if D2 > 0:
         tl.store(dq_rows + offs_d2[None, :] * stride_dqd, acc2.to(DQ.dtype.element_ty), mask=(hmask & last_h)[:, None])
+
+@triton.jit
+def row_delta_kernel(
+    DO, OUT, DLSE, DELTA, stride_dob, stride_dos, stride_doh, stride_ob, stride_os, stride_oh,
+    stride_dlb, stride_dls, stride_dlh, stride_eb, stride_es, stride_eh, t_offset, num_heads,
+    DV: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DLSE: tl.constexpr,
+):  # fmt: skip
+    """DELTA[b, r, h] = rowsum(dO * O) - dlse of token t_offset + r (fp32): the backward's per-row term.
+
+    Grid (rows, B, cdiv(H, BLOCK_H)); the head rows of dO and O have unit inner stride.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    t = t_offset + r
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    cols = tl.arange(0, DV)
+    do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + cols[None, :],
+                 mask=hmask[:, None], other=0.0)  # fmt: skip
+    o = tl.load(OUT + b * stride_ob + t * stride_os + heads[:, None] * stride_oh + cols[None, :],
+                mask=hmask[:, None], other=0.0)  # fmt: skip
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + b * stride_dlb + t * stride_dls + heads * stride_dlh, mask=hmask, other=0.0)
+    tl.store(DELTA + b * stride_eb + r * stride_es + heads * stride_eh, delta, mask=hmask)
+
 
 @triton.jit
 def scratch_reduce_kernel(

@@ -21,23 +21,30 @@ PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr=
             lse_ptr="*fp32", dlse_ptr="*fp32", ds_ptr="*bf16", acc_ptr="*fp32")
 INTS = ("s_qb s_qs s_qh s_kb s_kt s_ib s_is s_nb s_ob s_os s_oh s_dob s_dos s_doh s_lb s_ls s_lh s_dlb s_dls "
         "s_dlh s_dsb s_dss s_dsh s_ab s_at").split()
-TAIL = "s_pb s_ps t_offset num_idx num_head_blocks".split()
+PASS = dict(off_ptr="*i32", s_fb="i32", s_fs="i32", pass_idx="i32", perm_ptr="*i32", delta_ptr="*fp32",
+            s_eb="i32", s_es="i32", s_eh="i32")
+TAIL = "t_offset num_head_blocks".split()
 ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at".split()
 
 
-# (HAS_DLSE, PSUM): without / with the lse gradient, and the head-summed P stored or added
-@pytest.fixture(scope="module", params=[(False, 0), (True, 1), (False, 2)], ids=["plain", "dlse_psum", "psum_atomic"])
+# (HAS_DLSE, PSUM, PASSES): without / with the lse gradient, the head-summed P stored or added, and
+# one key pass of the regrouped slots (key_passes.py)
+@pytest.fixture(
+    scope="module",
+    params=[(False, 0, False), (True, 1, False), (False, 2, False), (True, 1, True)],
+    ids=["plain", "dlse_psum", "psum_atomic", "key_pass_psum"],
+)
 def sm90_build(request):
-    has_dlse, psum = request.param
-    signature = {**PTRS, **dict.fromkeys(INTS, "i32"), "psum_ptr": "*fp32", **dict.fromkeys(TAIL, "i32"),
-                 "sm_scale": "fp32", "qk_scale": "fp32"}
+    has_dlse, psum, passes = request.param
+    signature = {**PTRS, **dict.fromkeys(INTS, "i32"), "psum_ptr": "*fp32", "s_pb": "i32", "s_ps": "i32", **PASS,
+                 **dict.fromkeys(TAIL, "i32"), "sm_scale": "fp32", "qk_scale": "fp32"}
     return build_sm90(
         dict(
             module="hyscale_hf.kernels.sparse_attn.mla_backward_gluon",
             kernel="mla_backward_dkv_kernel",
             signature=signature,
-            constexprs={"HAS_DLSE": has_dlse, "PSUM": psum},
-            aligned=list(PTRS) + ALIGNED + ["psum_ptr"],
+            constexprs={"HAS_DLSE": has_dlse, "PSUM": psum, "PASSES": passes},
+            aligned=list(PTRS) + ALIGNED + ["psum_ptr", "off_ptr", "perm_ptr", "delta_ptr"],
         )
     )
 

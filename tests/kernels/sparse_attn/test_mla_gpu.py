@@ -68,14 +68,18 @@ def test_glm5_shape_matches_the_plain_composition_and_keeps_less(T):
 
 
 @pytest.mark.parametrize("heads", [64, 128])
-def test_head_probs_fused_in_the_gluon_backward_match_their_own_pass(heads, monkeypatch):
+@pytest.mark.parametrize("pass_bytes", [None, 1 << 20], ids=["one_pass", "key_passes"])
+def test_head_probs_fused_in_the_gluon_backward_match_their_own_pass(heads, pass_bytes, monkeypatch):
     """The indexer KL's target, summed over heads inside the Gluon dK/dV kernel (stored with one head
-    block, added atomically with two), against ``attention_prob_sum``'s separate fp32 pass."""
+    block, added atomically with two), against ``attention_prob_sum``'s separate fp32 pass; with key
+    passes (9 at 1 MiB) each pass writes its regrouped slots' sums back to their original slots."""
     from hyscale_hf.kernels.indexer_kl import attention_prob_sum
     from hyscale_hf.kernels.sparse_attn import HeadProbs, host
 
     if host.mla_backward_gluon is None or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon MLA backward is sm_90 only")
+    if pass_bytes is not None:
+        monkeypatch.setattr(host, "DEFAULT_CONFIG", host.SparseAttentionConfig(mla_bwd_pass_bytes=pass_bytes))
     T = 4096
     torch.manual_seed(0)
     q_nope = torch.randn(1, T, heads, N, device="cuda", dtype=torch.bfloat16).requires_grad_()

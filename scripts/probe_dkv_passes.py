@@ -1,0 +1,74 @@
+"""Probe: the MLA sparse backward with its dK/dV atomics in key passes of different sizes.
+
+The Gluon dK/dV kernel adds 2.3 KB per (query, key) pair into a [T, 576] fp32 accumulator: 302 MB
+at 128K, six times the H200's L2. ``SparseAttentionConfig.mla_bwd_pass_bytes`` splits the adds into
+key ranges whose slice of the accumulator stays in L2 (``kernels/sparse_attn/key_passes.py``). This
+probe times the whole sparse attention backward (64 heads, Dqk 576, Dv 512, bf16) for each
+``--pass-mib`` (0: one pass, the same-run baseline) on two selections:
+- ``realistic``: ``realistic_selection`` (sinks, a local window, far tokens), as
+  ``bench_sparse_attention.py`` times it;
+- ``step``: the first layer's HyTopK selection in the benchmark step (``bench_e2e.py``'s GLM-5
+  stack: random-init indexer, random tokens, keys spread over the whole past).
+Prints milliseconds and the ratio to one pass; writes JSON.
+
+    python scripts/probe_dkv_passes.py --T 131072 --pass-mib 0 16 32 64 --out results/dkv_passes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from hyscale_hf import sparse_attention
+from hyscale_hf.benchmarking.inputs import realistic_selection
+from hyscale_hf.benchmarking.timing import timed
+from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, default=131072)
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--pass-mib", type=int, nargs="+", default=[0, 8, 16, 32, 64])
+    ap.add_argument("--selections", nargs="+", choices=("realistic", "step"), default=["realistic", "step"])
+    ap.add_argument("--budget-ms", type=float, default=3000.0)
+    ap.add_argument("--out", default="outputs/probe_dkv_passes.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_dkv_passes.py times GPU kernels: it needs a CUDA device")
+    T, H, Dqk, Dv = args.T, 64, 576, 512
+    res = dict(device=torch.cuda.get_device_name(), T=T, K=args.K, runs={})
+    for name in args.selections:
+        if name == "step":
+            from probe_selection_sharing import step_selections  # this script's folder is on sys.path
+
+            idx = step_selections(T)[0]
+        else:
+            idx = realistic_selection(T, args.K)
+        torch.manual_seed(0)
+        q = torch.randn(1, T, H, Dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(1, T, 1, Dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(1, T, H, Dv, device="cuda", dtype=torch.bfloat16)
+        runs = res["runs"][name] = {}
+        for mib in args.pass_mib:
+            o = sparse_attention(q, kv, kv[..., :Dv], idx, config=SparseAttentionConfig(mla_bwd_pass_bytes=mib << 20))
+
+            def bwd(o=o):
+                q.grad = kv.grad = None
+                o.backward(do, retain_graph=True)
+
+            runs[mib] = timed(bwd, budget_ms=args.budget_ms)
+            del o
+            print(f"{name:10s} pass {mib:4d} MiB: backward {runs[mib]:8.2f} ms  x{runs[args.pass_mib[0]] / runs[mib]:.3f}",
+                  flush=True)  # fmt: skip
+        del q, kv, do, idx
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
