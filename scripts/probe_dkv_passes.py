@@ -56,7 +56,7 @@ def main():
         for mib in args.pass_mib:
             o = sparse_attention(q, kv, kv[..., :Dv], idx, config=SparseAttentionConfig(mla_bwd_pass_bytes=mib << 20))
 
-            def bwd(o=o):
+            def bwd(o=o, q=q, kv=kv, do=do):
                 q.grad = kv.grad = None
                 o.backward(do, retain_graph=True)
 
@@ -64,7 +64,6 @@ def main():
             del o
             print(f"{name:10s} pass {mib:4d} MiB: backward {runs[mib]:8.2f} ms  x{runs[args.pass_mib[0]] / runs[mib]:.3f}",
                   flush=True)  # fmt: skip
-        del q, kv, do, idx
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

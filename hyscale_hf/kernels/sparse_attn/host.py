@@ -446,18 +446,17 @@ def sparse_attention_bwd(
         dq_idx, dq_idx_t0 = idx, 0  # the slots dS was written for
         if gluon_dkv:
             z = _unit_dims_zeroed
-            dkv = lambda idx_, **kw: mla_backward_gluon.mla_backward_dkv(  # noqa: E731
-                z(q), z(k), idx_, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale, scale * _LOG2E,
-                psum=psum, **kw,
-            )  # fmt: skip
-            if passes == 1:
-                dkv(idx)
-            else:  # the chunk's slots regrouped by key range, one launch per range (key_passes.py)
+            walks = [(idx, None)]  # (slots, key pass) of each launch
+            if passes > 1:  # the chunk's slots regrouped by key range, one launch per range (key_passes.py)
                 idx_p, perm, off = key_passes(idx.contiguous(), t0, count, T, passes)
                 delta = row_delta(z(o), z(do), dlse, t0, count)
-                for p in range(passes):
-                    dkv(idx_p, key_pass=(p, perm, off, delta))
+                walks = [(idx_p, (p, perm, off, delta)) for p in range(passes)]
                 dq_idx, dq_idx_t0 = idx_p, t0
+            for walk_idx, key_pass in walks:
+                mla_backward_gluon.mla_backward_dkv(
+                    z(q), z(k), walk_idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale,
+                    scale * _LOG2E, psum=psum, key_pass=key_pass,
+                )  # fmt: skip
         elif split:
             args = (
                 *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *o.stride(), *do.stride(),

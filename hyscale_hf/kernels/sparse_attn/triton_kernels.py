@@ -511,7 +511,7 @@ def row_delta_kernel(
     r = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     t = t_offset + r
-    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = (tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # dO's head stride can be S * Dv
     hmask = heads < num_heads
     cols = tl.arange(0, DV)
     do = tl.load(DO + b * stride_dob + t * stride_dos + heads[:, None] * stride_doh + cols[None, :],

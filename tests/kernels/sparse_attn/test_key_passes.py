@@ -77,3 +77,18 @@ def test_row_delta_matches_torch(with_dlse):
     if with_dlse:
         want = want - dlse[:, 1:5]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_row_delta_takes_the_models_output_gradient_past_2_to_the_31_elements():
+    # In the patched model dO is a view of [H, S, Dv] storage, so its head stride is S * Dv: from
+    # S = 65K on, 63 heads of it pass 2^31 elements (a 32-bit offset wrapped and faulted at 128K).
+    S, H, D = 69632, 64, 512
+    do = torch.randn(H, S, D, device="cuda", dtype=torch.bfloat16).transpose(0, 1)[None]
+    o = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
+    assert (H - 1) * do.stride(2) >= 2**31
+    t0, count = S - 4096, 4096
+    got = host.row_delta(o, do, None, t0, count)
+    want = (do[:, t0:].float() * o[:, t0:].float()).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
