@@ -5,7 +5,8 @@ of a [T, 576] accumulator with atomics, which bound it. At 128K the accumulator 
 the H200's L2, and a selection that spreads its keys over the whole past misses L2 on most adds.
 Split into P passes, pass p adding only the pairs whose key lies in ``[p * span, (p + 1) * span)``,
 each launch's adds hit one slice of the accumulator, which stays in L2 (H200, 128K, the benchmark
-step's own selection, the kernel alone: 431 ms in one pass, 333 ms in 8, ``scripts/probe_dkv_passes.py``).
+step's own selection, the whole sparse backward: 561 ms in one pass, 467 ms in 32 MiB passes,
+``scripts/probe_dkv_passes.py``; BENCHMARKS.md has the other sizes).
 
 For that every row's slots are regrouped by pass, in slot order within a pass: ``key_passes``
 returns the regrouped keys (``idx_p``, -1 after the row's valid keys), each regrouped slot's
