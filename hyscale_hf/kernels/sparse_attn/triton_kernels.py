@@ -451,13 +451,15 @@ def sparse_attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     t_offset, idx_t0, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
     D1: tl.constexpr, D2: tl.constexpr, SLAB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DS_BY_KEY: tl.constexpr,
 ):  # fmt: skip
     """Split backward, part 2: dQ[:, SLAB columns] = dS @ K[selected, columns] for one token.
 
     Grid (chunk_len, B * Hkv * NHB, D1 // SLAB); the last column slab also owns the D2 tail. Token t's
     slots are row t - idx_t0 of IDX (0: IDX holds every token; the chunk's first token: IDX holds the
-    chunk's regrouped slots, ``key_passes``).
+    chunk's regrouped slots, ``key_passes``). DS_BY_KEY reads dS only at slots with a key (the key
+    passes leave the slots past a row's keys unwritten); otherwise every slot of the walked blocks,
+    which the dK/dV kernel wrote (zeros where no key).
     """
     t_local = tl.program_id(0).to(tl.int64)
     t = t_offset + t_local
@@ -477,8 +479,7 @@ def sparse_attn_bwd_dq_kernel(
     if D2 > 0:
         offs_d2 = D1 + tl.arange(0, D2)
         acc2 = tl.zeros([BLOCK_H, D2], tl.float32)
-    # the row's extent; dS is read only at slots with a key: the dK/dV kernel writes those (and may
-    # leave the others, past a row's keys, unwritten)
+    # the row's extent: a multiple of EXTENT_GRAIN
     count = tl.load(NUM + b * num_queries + t)
     for start in range(0, count, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -487,7 +488,8 @@ def sparse_attn_bwd_dq_kernel(
         valid = kid >= 0
         k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
         kc = tl.load(k_rows + offs_c[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-        ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & valid[None, :], other=0.0)
+        ds_mask = valid if DS_BY_KEY else in_row
+        ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & ds_mask[None, :], other=0.0)
         acc = tl.dot(ds, kc, acc, input_precision=DOT_PREC)
         if D2 > 0:
             k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=(valid & last_n)[:, None], other=0.0)
