@@ -18,6 +18,11 @@ from ..families import register_family
 from ._mla_dsa import MLADSAFamily, load_family_module, patch_mla_dsa_model
 
 _modeling = load_family_module("hy_v4")
+if _modeling is not None and not hasattr(_modeling, "apply_rotary_pos_emb"):
+    # Transformers 5.25 moved hy_v4 to interleaved RoPE (apply_rotary_pos_emb_interleave); this patch
+    # computes the half-split layout of 5.17-5.24, so it does not register there and patch_model
+    # refuses the model rather than patching it with the wrong rotation.
+    _modeling = None
 
 if _modeling is not None:
 
