@@ -476,7 +476,7 @@ def sparse_attention_bwd(
                 ds_buf, k, dq_idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
                 *k.stride(), *dq_idx.stride(), *dq.stride(), t0, dq_idx_t0, S, L, Hkv, group, nhb,
                 D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
-                DOT_PREC=_dot_precision(q.dtype), DS_BY_KEY=passes > 1,
+                DOT_PREC=_dot_precision(q.dtype),
                 num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],
             )  # fmt: skip
         else:

@@ -8,10 +8,12 @@ each launch's adds hit one slice of the accumulator, which stays in L2 (H200, 12
 step's own selection, the whole sparse backward: 561 ms in one pass, 467 ms in 32 MiB passes,
 ``scripts/probe_dkv_passes.py``; BENCHMARKS.md has the other sizes).
 
-For that every row's slots are regrouped by pass, in slot order within a pass: ``key_passes``
-returns the regrouped keys (``idx_p``, -1 after the row's valid keys), each regrouped slot's
-original slot (``perm``) and each pass's first regrouped slot (``off[..., p]``; ``off[..., P]`` is
-the row's number of valid keys). The torch reference is ``naive.key_passes_reference``; this
+For that every row's slots are regrouped by pass, in slot order within a pass, and the slots
+without a key after them: ``key_passes`` returns the regrouped keys (``idx_p``, -1 after the row's
+valid keys), each regrouped slot's original slot (``perm``, a permutation of the row's slots) and
+each pass's first regrouped slot (``off[..., p]``; ``off[..., P]`` is the row's number of valid
+keys). The last pass walks on to the row's extent over the -1 slots, so it writes dS zeros there as
+the one-pass walk does and the dQ kernel reads both layouts the same way. The torch reference is ``naive.key_passes_reference``; this
 kernel returns exactly the same tensors. One program per row, P passes over the row's slots (from
 L1 after the first): each pass's kept slots get their positions by a prefix sum.
 """
@@ -48,17 +50,22 @@ def _key_passes_kernel(
             tl.store(perm + pos, slot, mask=keep)
             base += tl.sum(keep.to(tl.int32), 0)
     tl.store(off + NUM_PASSES, base)
-    for start in range(0, num_idx, BLOCK):  # the slots after the valid keys: none
+    for start in range(0, num_idx, BLOCK):  # then the slots without a key, as -1, in slot order
         slot = start + tl.arange(0, BLOCK)
-        tl.store(dst + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= base) & (slot < num_idx))
+        kid = tl.load(src + slot, mask=slot < num_idx, other=-1)
+        keep = (slot < num_idx) & ((kid < 0) | (kid // span >= NUM_PASSES))
+        pos = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(dst + pos, tl.full([BLOCK], -1, tl.int32), mask=keep)
+        tl.store(perm + pos, slot, mask=keep)
+        base += tl.sum(keep.to(tl.int32), 0)
 
 
 def key_passes(idx: torch.Tensor, t_offset: int, count: int, num_keys: int, passes: int):
     """Rows ``[t_offset, t_offset + count)`` of idx [B, S, L] int32 (-1 = no key; keys below
     ``num_keys``) regrouped into ``passes`` key ranges of ``span = cdiv(num_keys, passes)`` keys.
 
-    Returns ``(idx_p, perm, off)``: int32 [B, count, L], [B, count, L] (slots past ``off[..., P]``
-    unwritten) and [B, count, passes + 1]; contiguous, on idx's device.
+    Returns ``(idx_p, perm, off)``: int32 [B, count, L], [B, count, L] and [B, count, passes + 1];
+    contiguous, on idx's device.
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")

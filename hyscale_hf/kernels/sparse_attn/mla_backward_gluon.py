@@ -275,7 +275,7 @@ def mla_backward_dkv_kernel(
     q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_ptr, acc_ptr,
     s_qb, s_qs, s_qh, s_kb, s_kt, s_ib, s_is, s_nb, s_ob, s_os, s_oh, s_dob, s_dos, s_doh,
     s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, s_dsb, s_dss, s_dsh, s_ab, s_at, psum_ptr, s_pb, s_ps,
-    off_ptr, s_fb, s_fs, pass_idx, perm_ptr, delta_ptr, s_eb, s_es, s_eh,
+    off_ptr, s_fb, s_fs, pass_idx, num_passes, perm_ptr, delta_ptr, s_eb, s_es, s_eh,
     t_offset, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr, PSUM: gl.constexpr,
     PASSES: gl.constexpr,
 ):  # fmt: skip
@@ -285,8 +285,8 @@ def mla_backward_dkv_kernel(
     blocks) also the slots' head-summed P to psum[b, t].
 
     With PASSES, idx is the chunk's regrouped slots (``key_passes``: row program_id(0), the same
-    strides as perm) and the program walks pass ``pass_idx``'s slots [off[.., p], off[.., p + 1]):
-    their dS to the same slots of ds, their head sums to psum at the original slots (perm), and
+    strides as perm) and the program walks pass ``pass_idx``'s slots [off[.., p], off[.., p + 1]),
+    the last of ``num_passes`` on to num[b, t] over the row's -1 slots: their dS to the same slots of ds, their head sums to psum at the original slots (perm), and
     delta (rowsum(dO * O) - dlse) read from delta[b, program_id(0)] instead of computed."""
     t_local = gl.program_id(0).to(gl.int64)
     t = t_offset + t_local
@@ -296,7 +296,10 @@ def mla_backward_dkv_kernel(
     ds_base = ds_ptr + b * s_dsb + t_local * s_dss + h0 * s_dsh
     if PASSES:
         lo = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx)
-        count = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx + 1) - lo
+        if pass_idx == num_passes - 1:  # on over the -1 slots to the extent: dS zeros, as one pass
+            count = gl.load(num_ptr + b * s_nb + t) - lo
+        else:
+            count = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx + 1) - lo
         idx_base = idx_ptr + b * s_ib + t_local * s_is + lo
         perm_base = perm_ptr + b * s_ib + t_local * s_is + lo
         ds_base += lo
@@ -378,7 +381,9 @@ def mla_backward_dkv(
 
     ``key_pass = (p, perm, off, delta)`` walks only pass p of the chunk's regrouped slots: idx is then
     ``key_passes``' idx_p of these rows, perm / off its other outputs, and delta fp32 [B, count, H]
-    the rows' rowsum(dO * O) - dlse (``row_delta``). dS goes to ds in the regrouped slot order.
+    the rows' rowsum(dO * O) - dlse (``row_delta``). dS goes to ds in the regrouped slot order, the
+    last pass writing zeros over the -1 slots up to num: the passes together write what one pass
+    writes, permuted.
     """
     B, _, H, _ = q.shape
     if B * count == 0:
@@ -400,6 +405,6 @@ def mla_backward_dkv(
         num.stride(0), o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), dl.stride(0), dl.stride(1), dl.stride(2),
         ds.stride(0), ds.stride(1), ds.stride(2), acc.stride(0), acc.stride(1), ps, ps.stride(0), ps.stride(1),
-        off, off.stride(0), off.stride(1), pass_idx, perm, delta, delta.stride(0), delta.stride(1), delta.stride(2),
+        off, off.stride(0), off.stride(1), pass_idx, off.shape[2] - 1, perm, delta, delta.stride(0), delta.stride(1), delta.stride(2),
         t_offset, nhb, scale, qk_scale, HAS_DLSE=has_dlse, PSUM=mode, PASSES=key_pass is not None, num_warps=4,
     )  # fmt: skip

@@ -106,16 +106,15 @@ def mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim: 
 def key_passes_reference(idx: torch.Tensor, t_offset: int, count: int, num_keys: int, passes: int):
     """``key_passes.key_passes`` in torch: rows [t_offset, t_offset + count) of idx [B, S, L] with
     their valid keys grouped by key range ``key // cdiv(num_keys, passes)``, in slot order within a
-    range. Returns ``(idx_p, perm, off)`` with perm's slots past the valid keys set to -1 (the kernel
-    leaves them unwritten)."""
+    range, then the slots without a key (-1 in idx_p), in slot order. Returns ``(idx_p, perm, off)``."""
     rows = idx[:, t_offset : t_offset + count].long()
     B, S, L = rows.shape
     span = -(-max(num_keys, 1) // passes)
-    group = torch.where(rows >= 0, rows // span, passes)  # invalid slots last
+    group = torch.where(rows >= 0, rows // span, passes).clamp(max=passes)  # slots without a key last
     order = torch.sort(group * L + torch.arange(L, device=idx.device), dim=-1).indices
     valid = torch.gather(group, 2, order) < passes
     idx_p = torch.where(valid, torch.gather(rows, 2, order), -1).to(torch.int32)
-    perm = torch.where(valid, order, -1).to(torch.int32)
+    perm = order.to(torch.int32)
     counts = torch.stack([(group == p).sum(-1) for p in range(passes)], dim=-1)
     off = torch.cat([counts.new_zeros(B, S, 1), counts.cumsum(-1)], dim=-1).to(torch.int32)
     return idx_p, perm, off

@@ -451,15 +451,17 @@ def sparse_attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     t_offset, idx_t0, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
     D1: tl.constexpr, D2: tl.constexpr, SLAB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, DS_BY_KEY: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """Split backward, part 2: dQ[:, SLAB columns] = dS @ K[selected, columns] for one token.
 
     Grid (chunk_len, B * Hkv * NHB, D1 // SLAB); the last column slab also owns the D2 tail. Token t's
     slots are row t - idx_t0 of IDX (0: IDX holds every token; the chunk's first token: IDX holds the
-    chunk's regrouped slots, ``key_passes``). DS_BY_KEY reads dS only at slots with a key (the key
-    passes leave the slots past a row's keys unwritten); otherwise every slot of the walked blocks,
-    which the dK/dV kernel wrote (zeros where no key).
+    chunk's regrouped slots, ``key_passes``), and it reads the first NUM[b, t] of them (the row's
+    extent, a multiple of EXTENT_GRAIN), every one of which the dK/dV kernel wrote to dS (zeros where
+    no key). The masks are by num_idx, which Triton specializes as a multiple of 16: a mask by a
+    loaded count or by the loaded keys is not provably uniform over 16-slot runs, and the dS loads
+    then lose their vector width and their pipelining (H200, 128K: 121 ms against 76).
     """
     t_local = tl.program_id(0).to(tl.int64)
     t = t_offset + t_local
@@ -479,7 +481,6 @@ def sparse_attn_bwd_dq_kernel(
     if D2 > 0:
         offs_d2 = D1 + tl.arange(0, D2)
         acc2 = tl.zeros([BLOCK_H, D2], tl.float32)
-    # the row's extent: a multiple of EXTENT_GRAIN
     count = tl.load(NUM + b * num_queries + t)
     for start in range(0, count, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -488,8 +489,7 @@ def sparse_attn_bwd_dq_kernel(
         valid = kid >= 0
         k_rows = k_base + kid.to(tl.int64)[:, None] * stride_kt
         kc = tl.load(k_rows + offs_c[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-        ds_mask = valid if DS_BY_KEY else in_row
-        ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & ds_mask[None, :], other=0.0)
+        ds = tl.load(ds_rows + offs_n[None, :], mask=hmask[:, None] & in_row[None, :], other=0.0)
         acc = tl.dot(ds, kc, acc, input_precision=DOT_PREC)
         if D2 > 0:
             k2 = tl.load(k_rows + offs_d2[None, :] * stride_kd, mask=(valid & last_n)[:, None], other=0.0)

@@ -20,9 +20,7 @@ def assert_same(idx, t0, count, T, passes):
     want = key_passes_reference(idx, t0, count, T, passes)
     idx_p, perm, off = got
     assert idx_p.shape == want[0].shape and off.shape == want[2].shape
-    assert torch.equal(idx_p, want[0]) and torch.equal(off, want[2])
-    kept = torch.arange(idx.shape[2], device=idx.device) < off[..., -1:]  # perm is written where keys are
-    assert torch.equal(perm[kept], want[1][kept])
+    assert torch.equal(idx_p, want[0]) and torch.equal(perm, want[1]) and torch.equal(off, want[2])
     return got
 
 
@@ -42,6 +40,9 @@ def test_matches_reference_and_keeps_every_pair(passes):
             # the regrouped slots hold exactly the row's keys at their original slots, by range
             assert torch.equal(rows[b, r].long()[perm[b, r, :n].long()], idx_p[b, r, :n].long())
             assert bool((idx_p[b, r, n:] == -1).all())
+            # perm is a permutation of the row's slots: the slots without a key follow, in slot order
+            assert torch.equal(perm[b, r].sort().values, torch.arange(perm.shape[2], device=perm.device, dtype=perm.dtype))
+            assert bool((rows[b, r][perm[b, r, n:].long()] < 0).all()) and bool((perm[b, r, n:].diff() > 0).all())
             span = -(-T // passes)
             for p in range(passes):
                 seg = idx_p[b, r, off[b, r, p] : off[b, r, p + 1]]

@@ -21,7 +21,7 @@ PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr=
             lse_ptr="*fp32", dlse_ptr="*fp32", ds_ptr="*bf16", acc_ptr="*fp32")
 INTS = ("s_qb s_qs s_qh s_kb s_kt s_ib s_is s_nb s_ob s_os s_oh s_dob s_dos s_doh s_lb s_ls s_lh s_dlb s_dls "
         "s_dlh s_dsb s_dss s_dsh s_ab s_at").split()
-PASS = dict(off_ptr="*i32", s_fb="i32", s_fs="i32", pass_idx="i32", perm_ptr="*i32", delta_ptr="*fp32",
+PASS = dict(off_ptr="*i32", s_fb="i32", s_fs="i32", pass_idx="i32", num_passes="i32", perm_ptr="*i32", delta_ptr="*fp32",
             s_eb="i32", s_es="i32", s_eh="i32")
 TAIL = "t_offset num_head_blocks".split()
 ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at".split()
