@@ -183,11 +183,12 @@ class _ReplayRecomputeMode(_OnTopOf):
     """
 
     def __init__(self, cached_mode: TorchDispatchMode, layer: str, verify: bool,
-                 store: _SelectionStore | None = None) -> None:
+                 store: _SelectionStore | None = None, owner: torch.nn.Module | None = None) -> None:
         super().__init__(cached_mode)
         self.layer = layer
         self.verify = verify
         self.store = store
+        self.owner = owner
         self.calls: dict = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -245,24 +246,28 @@ class ReplayContextFn:
     callable read at each checkpoint call (patched models read their live
     ``HyScaleConfig.verify_replay``). ``offload``, a callable read at each call, returns a
     ``hyscale_hf.offload.HostOffload`` to keep the selections in host memory between forward and
-    recompute, or None to leave them in selective checkpointing's device-side cache.
+    recompute, or None to leave them in selective checkpointing's device-side cache. ``owner`` is
+    the module whose whole forward the region is (a decoder layer), or None: ``recompute_owner()``
+    names it inside the recompute.
     """
 
     def __init__(self, layer: str = "<checkpointed region>", verify: bool | Callable[[], bool] = False,
-                 offload: Callable | None = None) -> None:
+                 offload: Callable | None = None, owner: torch.nn.Module | None = None) -> None:
         self.layer = layer
         self.verify = verify
         self.offload = offload
+        self.owner = owner
 
     def __call__(self):
         verify = bool(self.verify() if callable(self.verify) else self.verify)
         offload = self.offload() if self.offload is not None else None
         if offload is None:
             forward_mode, cached_mode = create_selective_checkpoint_contexts(replay_policy)
-            return forward_mode, _ReplayRecomputeMode(cached_mode, self.layer, verify)
+            return forward_mode, _ReplayRecomputeMode(cached_mode, self.layer, verify, owner=self.owner)
         store = _SelectionStore(offload)
         caching_mode, cached_mode = create_selective_checkpoint_contexts(_recompute_all)
-        return _ReplayForwardMode(caching_mode, store), _ReplayRecomputeMode(cached_mode, self.layer, verify, store)
+        return (_ReplayForwardMode(caching_mode, store),
+                _ReplayRecomputeMode(cached_mode, self.layer, verify, store, self.owner))
 
     def __repr__(self) -> str:
         return f"ReplayContextFn(layer={self.layer!r})"
@@ -273,6 +278,20 @@ def replaying() -> bool:
     recompute mode is on the dispatch stack). A selection op that runs in backward while this is False
     was recomputed by a checkpoint without the replay context (reentrant, or no ``context_fn``)."""
     return any(isinstance(mode, _ReplayRecomputeMode) for mode in _get_current_dispatch_mode_stack())
+
+
+def recompute_owner() -> torch.nn.Module | None:
+    """The module whose forward is being recomputed: the ``owner`` of the innermost replay checkpoint
+    in its recompute, None outside one or where the region has no owner. The recompute's output is
+    dropped (non-reentrant checkpointing keeps only what the forward saved), so a module that knows
+    its output reaches nothing but the owner's output may skip computing it there. None while
+    torch.compile traces: a compiled region's recompute is the compiler's graph, not this eager one."""
+    if torch.compiler.is_compiling():
+        return None
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _ReplayRecomputeMode):
+            return mode.owner
+    return None
 
 
 def in_replay_checkpoint() -> bool:

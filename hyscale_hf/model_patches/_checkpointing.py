@@ -152,7 +152,7 @@ def _install_policy(model: torch.nn.Module, verify: Callable[[], bool]) -> None:
             continue  # inactive and not replayable: never called
         inner = func.inner if isinstance(func, _ReplayCheckpointFunc) else func
         offload = _OffloadSwitch(model)
-        module._gradient_checkpointing_func = _ReplayCheckpointFunc(inner, ReplayContextFn(name, verify, offload),
+        module._gradient_checkpointing_func = _ReplayCheckpointFunc(inner, ReplayContextFn(name, verify, offload, module),
                                                                     offload)
 
 
@@ -391,7 +391,7 @@ def wrap_layers_for_replay(
             checkpoint_fn=_OffloadingCheckpoint(_OffloadSwitch(target)),
             use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
-            context_fn=ReplayContextFn(fqn, verify_fn, _OffloadSwitch(target)),
+            context_fn=ReplayContextFn(fqn, verify_fn, _OffloadSwitch(target), child),
         )
         setattr(parent, child_name, wrapped)
 

@@ -150,9 +150,10 @@ def _on_meta(indexers: dict) -> bool:
     return any(p.device.type == "meta" for m in indexers.values() for p in m.parameters())
 
 
-def make_dense_apply(attention_cls: type, apply_rotary):
+def make_dense_apply(attention_cls: type, apply_rotary, *, mlp_ends_layer: bool):
     """The ``apply(model, state) -> undo`` of a dense family whose attention class is ``attention_cls``
-    and whose RoPE function is ``apply_rotary`` (the family's ``apply_rotary_pos_emb``)."""
+    and whose RoPE function is ``apply_rotary`` (the family's ``apply_rotary_pos_emb``);
+    ``mlp_ends_layer``: its decoder layers end in ``residual + self.mlp(x)`` (``_lean_layers``)."""
 
     def apply(model: nn.Module, state: PatchState):
         config = model.config
@@ -193,6 +194,7 @@ def make_dense_apply(attention_cls: type, apply_rotary):
                 # as inside from_pretrained, gets them from from_pretrained's own loading.)
                 load_saved_indexers(model, indexers)
 
-        return patch_attention(model, state, [m for _, m in attns], _patched_forward, prepare=prepare, finish=finish)
+        return patch_attention(model, state, [m for _, m in attns], _patched_forward, prepare=prepare, finish=finish,
+                               mlp_ends_layer=mlp_ends_layer)
 
     return apply

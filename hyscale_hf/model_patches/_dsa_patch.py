@@ -130,7 +130,7 @@ class PatchUndo:
 
 def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module], forward,
                     prepare: Callable[[PatchUndo, nn.Module], None] | None = None,
-                    finish: Callable[[PatchUndo], None] | None = None) -> PatchUndo:
+                    finish: Callable[[PatchUndo], None] | None = None, mlp_ends_layer: bool = False) -> PatchUndo:
     """Patch ``modules`` (the model's attention modules) in place; returns the undo.
 
     Each module gets ``prepare(undo, module)`` (a family's own attributes), the state under
@@ -138,6 +138,7 @@ def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module
     level: docs/design.md section 8); the model's Transformers models get the hooks that put
     ``ATTN_IMPLEMENTATION`` in their configs while they run (``_attn_switch``); then
     ``finish(undo)``, the lean layers, the tiled MLPs and norms and the chunked LM loss. A step that raises undoes the others.
+    ``mlp_ends_layer``: the family's decoder layers end in ``residual + self.mlp(x)`` (``_lean_layers``).
     """
     undo = PatchUndo()
     try:
@@ -154,7 +155,7 @@ def patch_attention(model: nn.Module, state: PatchState, modules: list[nn.Module
         state.attn_switch = switch
         if finish is not None:
             finish(undo)
-        undo.add(apply_lean_layers(model, state))
+        undo.add(apply_lean_layers(model, state, mlp_ends_layer))
         apply_tiled_modules(model, state, undo)  # after the lean forwards, which it runs per tile
         undo.add(apply_chunked_lm_loss(model, state))
     except BaseException:

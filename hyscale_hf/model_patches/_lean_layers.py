@@ -11,6 +11,11 @@ the ops' Triton kernels, which round as the torch path does but may differ in th
 statistics, so a bit-for-bit probe of them would refuse modules that compute the same function); anything else (Gemma-style ``1 + weight`` norms, GELU MLPs, quantised
 or meta weights, modules that already carry an instance forward such as accelerate hooks) keeps its
 own forward. A projection wrapped later (PEFT LoRA) sends the MLP back to its own forward at call time.
+
+Where the family says its decoder layers end in ``residual + self.mlp(x)`` (``mlp_ends_layer``: nothing
+after the MLP saves its output), the MLP skips its down projection in the recompute of its own layer
+(``replay.recompute_owner()``): the recompute's output is dropped, and the backward reads only what the
+MLP saved, which it still saves. GLM-4 normalises the MLP's output first, so it does not say so.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from ..kernels import rms_norm, swiglu_mlp
+from ..replay import recompute_owner
 from ..state import PatchState
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -31,10 +37,12 @@ def _lean_norm_forward(self, hidden_states, backend="auto"):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=backend)
 
 
-def _lean_mlp_forward(self, x, *args, backend="auto", **kwargs):
+def _lean_mlp_forward(self, x, *args, backend="auto", ends_layer=False, **kwargs):
     if args or kwargs or any(type(getattr(self, name)) is not nn.Linear for name in _PROJECTIONS):
         return type(self).forward(self, x, *args, **kwargs)  # e.g. PEFT wrapped a projection after patching
-    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, backend=backend)
+    dropped = ends_layer and getattr(recompute_owner(), "mlp", None) is self  # its layer's recompute
+    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, backend=backend,
+                      compute_output=not dropped)
 
 
 def _torch_norm_forward(self, hidden_states):
@@ -90,24 +98,28 @@ class _LeanUndo:
         self.modules.clear()
 
 
-def apply_lean_layers(model: nn.Module, state: PatchState) -> _LeanUndo:
+def apply_lean_layers(model: nn.Module, state: PatchState, mlp_ends_layer: bool = False) -> _LeanUndo:
     """Give every matching RMSNorm and SwiGLU MLP of ``model`` its lean forward (when
-    ``state.config.lean_activations``); returns the undo."""
+    ``state.config.lean_activations``); returns the undo. ``mlp_ends_layer``: the family's decoder
+    layers end in ``residual + self.mlp(x)``, so a layer's MLP may skip its output in that layer's
+    recompute."""
     undo = _LeanUndo()
     if not state.config.lean_activations:
         return undo
     for m in model.modules():
         if "forward" in m.__dict__:  # an instance forward is already there (accelerate hook, another patch)
             continue
+        extra = {}
         if _is_rms_norm(m):
             lean, probe, width, ref = _lean_norm_forward, _torch_norm_forward, m.weight.shape[0], m.weight
         elif _is_swiglu_mlp(m):
             lean, probe, width, ref = _lean_mlp_forward, _torch_mlp_forward, m.gate_proj.weight.shape[1], m.gate_proj.weight
+            extra["ends_layer"] = mlp_ends_layer
         else:
             continue
         if _same_bits(m, probe, width, ref.dtype, ref.device):
             # the ops' backend is the patch's (HyScaleConfig.backend): "torch" keeps them off the kernels
-            forward = functools.update_wrapper(functools.partial(lean, backend=state.config.backend), lean)
+            forward = functools.update_wrapper(functools.partial(lean, backend=state.config.backend, **extra), lean)
             m.forward = types.MethodType(forward, m)
             undo.modules.append(m)
     return undo

@@ -40,6 +40,8 @@ class MLADSAFamily:
         indexer_rope_first: RoPE on the first ``qk_rope_head_dim`` dims of the indexer head (else the last).
         relu: the family's own choice of ReLU on the per-head indexer logits.
         returns_indices: the attention returns ``(out, weights, topk_indices)`` (IndexShare families).
+        mlp_ends_layer: the decoder layer ends in ``residual + self.mlp(x)`` (``_lean_layers``: its
+            MLP skips its output in the layer's recompute).
     """
 
     model_type: str = ""
@@ -49,6 +51,7 @@ class MLADSAFamily:
     indexer_rope_first: bool = True
     relu: bool = True
     returns_indices: bool = False
+    mlp_ends_layer: bool = False
 
     # --- main attention
 
@@ -461,7 +464,8 @@ def patch_mla_dsa_model(model: torch.nn.Module, state: PatchState, family: MLADS
         for p in indexer.parameters() if indexer is not None else ():
             undo.set_value(p, "requires_grad", True)  # the indexer trains from its KL loss
 
-    return patch_attention(model, state, modules, mla_dsa_attention_forward, prepare=prepare)
+    return patch_attention(model, state, modules, mla_dsa_attention_forward, prepare=prepare,
+                           mlp_ends_layer=family.mlp_ends_layer)
 
 
 def load_family_module(name: str):

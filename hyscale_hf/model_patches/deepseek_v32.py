@@ -22,6 +22,7 @@ if _modeling is not None:
         indexer_rope_first = True
         relu = True
         returns_indices = False
+        mlp_ends_layer = True  # the decoder layer ends in residual + self.mlp(x)
 
     FAMILY = DeepseekV32Family()
 

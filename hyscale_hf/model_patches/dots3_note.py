@@ -31,6 +31,7 @@ if _modeling is not None:
         indexer_rope_first = True
         relu = True
         returns_indices = False
+        mlp_ends_layer = True  # the decoder layer ends in residual + self.mlp(x)
 
         def query(self, attn, x, position_ids):
             if attn.q_a_proj is None:

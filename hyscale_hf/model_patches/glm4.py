@@ -9,6 +9,7 @@ from transformers.models.glm4 import modeling_glm4
 from ..families import register_family
 from ._dense_common import make_dense_apply
 
-apply = make_dense_apply(modeling_glm4.Glm4Attention, modeling_glm4.apply_rotary_pos_emb)
+# GLM-4 normalises the MLP output before the residual add (post_mlp_layernorm saves it)
+apply = make_dense_apply(modeling_glm4.Glm4Attention, modeling_glm4.apply_rotary_pos_emb, mlp_ends_layer=False)
 
 register_family("glm4", apply, kind="dense")

@@ -26,6 +26,7 @@ if _modeling is not None:
         indexer_rope_first = True
         relu = True
         returns_indices = True
+        mlp_ends_layer = True  # the decoder layer ends in residual + self.mlp(x)
 
     FAMILY = GlmMoeDsaFamily()
 

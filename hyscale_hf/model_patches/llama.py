@@ -8,6 +8,6 @@ from transformers.models.llama import modeling_llama
 from ..families import register_family
 from ._dense_common import make_dense_apply
 
-apply = make_dense_apply(modeling_llama.LlamaAttention, modeling_llama.apply_rotary_pos_emb)
+apply = make_dense_apply(modeling_llama.LlamaAttention, modeling_llama.apply_rotary_pos_emb, mlp_ends_layer=True)
 
 register_family("llama", apply, kind="dense")

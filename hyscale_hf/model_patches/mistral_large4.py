@@ -31,6 +31,7 @@ if _modeling is not None:
         indexer_rope_first = True
         relu = True
         returns_indices = True
+        mlp_ends_layer = True  # the decoder layer ends in residual + self.mlp(x)
 
         def query(self, attn, x, position_ids):
             q = attn.q_proj(x).view(*x.shape[:-1], attn.num_heads, attn.qk_head_dim)

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hyscale_hf
 from hyscale_hf.model_patches import _lean_layers
@@ -138,8 +139,60 @@ def test_the_lean_forwards_follow_the_patch_backend(monkeypatch):
     seen = []
     real_norm, real_mlp = _lean_layers.rms_norm, _lean_layers.swiglu_mlp
     monkeypatch.setattr(_lean_layers, "rms_norm", lambda *a, backend="auto": seen.append(backend) or real_norm(*a, backend=backend))
-    monkeypatch.setattr(_lean_layers, "swiglu_mlp", lambda *a, backend="auto": seen.append(backend) or real_mlp(*a, backend=backend))
+    monkeypatch.setattr(_lean_layers, "swiglu_mlp", lambda *a, backend="auto", **kw: seen.append(backend) or real_mlp(*a, backend=backend, **kw))
     model = hyscale_hf.patch_model(build_llama(), topk=8, backend="torch")
     seen.clear()
     model(input_ids=tokens(1, 16))
     assert seen and set(seen) == {"torch"}
+
+
+class _DownProducts(TorchDispatchMode):
+    """Counts the matmuls that form an MLP's output: ``mm(product, w_down.t())`` (the backward's
+    ``d_out @ w_down`` reads the weight untransposed)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.transposed = {(w.data_ptr(), (w.stride(1), w.stride(0))) for w in weights}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.count += any(isinstance(a, torch.Tensor) and (a.data_ptr(), a.stride()) in self.transposed
+                              for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def _checkpointed_step(model, ids, mode=None):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids).logits.float().pow(2).mean()
+    if mode is None:
+        loss.backward()
+    else:
+        with mode:
+            loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("make", [build_llama, build_glm5], ids=["llama", "glm_moe_dsa"])
+def test_a_layer_recompute_skips_its_mlp_output_with_the_same_gradients(make, monkeypatch):
+    """Under checkpointing, a decoder layer's recompute drops the layer's output, so a family whose
+    layers end in residual + mlp(x) skips the down projection of the layer's own MLP there (not of
+    an MLP inside it, such as GLM-5's shared experts, whose output the MoE adds to); the gradients
+    are bit for bit those of a full recompute."""
+    ids = tokens(2, 24)
+    model = hyscale_hf.patch_model(make().train(), topk=8, backend="torch")
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and hasattr(m, "mlp")]
+    lean = [m for m in model.modules() if "_lean_mlp" in getattr(_instance_forward(m), "__name__", "")]
+    ends = [m for m in lean if any(layer.mlp is m for layer in layers)]
+    assert ends
+    counter = _DownProducts([m.down_proj.weight for m in lean])
+    got = _checkpointed_step(model, ids, counter)
+    assert counter.count == len(lean) - len(ends)  # the recomputes' down products
+    monkeypatch.setattr(_lean_layers, "recompute_owner", lambda: None)  # every recompute runs in full
+    counter = _DownProducts([m.down_proj.weight for m in lean])
+    want = _checkpointed_step(model, ids, counter)
+    assert counter.count == len(lean)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n], want[n]), n

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..checks import check_backend, check_same_device, resolve_backend
 from . import host
@@ -105,10 +106,16 @@ def _swiglu_product(gate, up, use_triton):
 
 class _SwiGLUMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, use_triton):
+    def forward(ctx, x, w_gate, w_up, w_down, use_triton, compute_output):
         gate, up = F.linear(x, w_gate), F.linear(x, w_up)
         ctx.use_triton = use_triton
         ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        if not compute_output:  # the caller drops the output: save for backward, skip the down projection
+            # Zeros of the output's shape and dtype (gate's: the forward's matmul dtype, autocast or not),
+            # made with the dispatch modes off: a selective-checkpoint recompute (where callers skip)
+            # refuses ops that its forward did not run.
+            with _disable_current_modes():
+                return torch.zeros(*x.shape[:-1], w_down.shape[0], dtype=gate.dtype, device=x.device)
         return F.linear(_swiglu_product(gate, up, use_triton), w_down)
 
     @staticmethod
@@ -144,11 +151,11 @@ class _SwiGLUMLPFn(torch.autograd.Function):
             dwg = (flat(d_gate).t() @ flat(x_c)).to(w_gate.dtype)
         if ctx.needs_input_grad[2]:
             dwu = (flat(d_up).t() @ flat(x_c)).to(w_up.dtype)
-        return dx, dwg, dwu, dwd, None
+        return dx, dwg, dwu, dwd, None, None
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-               backend: str = "auto") -> torch.Tensor:
+               backend: str = "auto", compute_output: bool = True) -> torch.Tensor:
     """``F.linear(silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)`` (bias-free SwiGLU MLP).
 
     Args:
@@ -157,6 +164,10 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
         w_down: ``[H_out, I]``.
         backend: ``"auto"`` (Triton elementwise kernels on CUDA tensors, else torch), ``"torch"`` or
             ``"triton"``; the matmuls are torch's either way.
+        compute_output: False saves for backward exactly what True saves (so the backward is the
+            same) but skips the product and the down projection and returns zeros of the output's
+            shape: for a caller that drops the output, such as a checkpoint's recompute of a layer
+            whose MLP output reaches only the layer's output.
 
     Returns: ``[..., H_out]``. The torch path is bit-identical to ``naive.swiglu_mlp_reference``; the
     Triton one rounds at the same places, its fp32 ``exp`` may differ from torch's in the last bit.
@@ -167,4 +178,5 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
             raise ValueError(f"{name} must be [I, H] = {list(shape)} for x [..., {hidden}], got {list(w.shape)}")
     if w_down.dim() != 2 or w_down.shape[1] != inter:
         raise ValueError(f"w_down must be [H_out, I={inter}], got {list(w_down.shape)}")
-    return _SwiGLUMLPFn.apply(x, w_gate, w_up, w_down, _use_triton(backend, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down))
+    use_triton = _use_triton(backend, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    return _SwiGLUMLPFn.apply(x, w_gate, w_up, w_down, use_triton, bool(compute_output))

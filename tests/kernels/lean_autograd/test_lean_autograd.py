@@ -88,6 +88,20 @@ def test_swiglu_mlp_saves_two_intermediate_tensors_instead_of_four():
     assert lean == 2 * inter and plain == 4 * inter
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_mlp_without_output_saves_the_same_and_gives_the_same_gradients(dtype):
+    """compute_output=False (a caller that drops the output): zeros out, the same saved tensors, and
+    a backward fed the same output gradient gives the same gradients bit for bit."""
+    args = mlp_inputs(dtype)
+    out = swiglu_mlp(*args)
+    skipped = swiglu_mlp(*args, compute_output=False)
+    assert skipped.shape == out.shape and skipped.dtype == out.dtype and not skipped.any()
+    assert saved_bytes(lambda *a: swiglu_mlp(*a, compute_output=False), *args) == saved_bytes(swiglu_mlp, *args)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for a, b in zip(torch.autograd.grad(skipped, args, dy), torch.autograd.grad(out, args, dy)):
+        assert torch.equal(a, b)
+
+
 def test_swiglu_mlp_weights_without_grad():
     x, wg, wu, wd = mlp_inputs(torch.float32)
     (dx,) = torch.autograd.grad(swiglu_mlp(x, wg.detach(), wu.detach(), wd.detach()).sum(), [x])
