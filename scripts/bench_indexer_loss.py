@@ -89,11 +89,13 @@ def reference(leaves, attn, idx, lse, scale, chunk=None):
 
 
 def sweep_shape(attn, rows):
-    """Time launch tiles of the forward (and, once, the backward: it reads no attention) at T = SWEEP_T."""
+    """Time launch tiles of the forward (and, once, the backward and the given-target forward: they
+    read no attention) at T = SWEEP_T."""
     fwd = [(64, 4, 2, 64), (64, 4, 3, 64), (64, 4, 4, 64), (32, 4, 3, 64), (128, 4, 3, 64), (128, 8, 3, 64)]
     if attn == "gqa":
         fwd += [(64, 4, 3, 128), (32, 4, 3, 128)]
-    bwd = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2)] if attn == "mla" else []
+    # the backward and the given-target forward read no attention: timed once (with the MLA rows)
+    indexer_only = [(64, 4, 2), (64, 4, 3), (64, 2, 2), (128, 4, 2), (128, 4, 3), (256, 8, 2)] if attn == "mla" else []
     lse_tiles = [(64, 4, 2), (64, 4, 3), (32, 4, 3)]
     leaves, attn_t, idx, lse, scale = setup(SWEEP_T, attn)
     args = (*[t.detach() for t in leaves], *attn_t, idx, lse, scale, True)
@@ -111,12 +113,18 @@ def sweep_shape(attn, rows):
         print(rows[-1], flush=True)
     _, target, z, lse_i = indexer_kl_forward_triton(*args)
     g = torch.ones(1, SWEEP_T, device=DEVICE)
-    for bk, nw, ns in bwd:
-        config = IndexerKLConfig(bwd={"BLOCK_K": bk, "num_warps": nw, "num_stages": ns})
+    for bk, nw, ns in indexer_only:
+        tiles = {"BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+        config = IndexerKLConfig(bwd=tiles)
         ms = cuda_median_ms(
             lambda config=config: indexer_kl_backward_triton(g, *args[:3], idx, target, z, lse_i, True, config=config), 5
         )
-        rows.append({"kernel": "bwd", "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "ms": round(ms, 3)})
+        rows.append({"kernel": "bwd", **tiles, "ms": round(ms, 3)})
+        print(rows[-1], flush=True)
+        config = IndexerKLConfig(fwd_given=tiles)
+        ms = cuda_median_ms(lambda config=config: indexer_kl_forward_triton(
+            *args[:3], None, None, idx, None, 1.0, True, target=target, config=config), 5)
+        rows.append({"kernel": "fwd_given", **tiles, "ms": round(ms, 3)})
         print(rows[-1], flush=True)
 
 

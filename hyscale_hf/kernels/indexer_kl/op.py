@@ -47,17 +47,24 @@ class IndexerKLConfig:
     """Launch tiles of the Triton indexer-loss kernels on CUDA; ``IndexerKLConfig()`` is what runs.
 
     One dict per kernel: ``lse`` (the attention lse pass, when ``attn_lse`` is not given), ``fwd``
-    (the loss) and ``bwd`` (its gradients); keys ``BLOCK_K`` (selected keys per step), ``BLOCK_DA``
-    (attention dims per step; not ``bwd``, which reads no attention tensor), ``num_warps``,
-    ``num_stages``. Picked by ``scripts/bench_indexer_loss.py --sweep`` on one H200 (T = 16384,
-    K = 2048, bf16): in the forward 3 stages took MLA (64 heads x 576) from 17.4 to 14.1 ms and
-    left GQA (32/8 x 128) at ~20 ms, and 8 warps were slower everywhere; in the backward 64 keys, 4
-    warps and 2 stages measured best (8.8 ms). The lse pass shares the forward's loop nest and tiles.
-    Under the CPU interpreter the kernels run 16-wide tiles whatever the config.
+    (the loss, scoring the attention too), ``fwd_given`` (the loss with its target given: only the
+    indexer is scored) and ``bwd`` (its gradients); keys ``BLOCK_K`` (selected keys per step),
+    ``BLOCK_DA`` (attention dims per step; only where the attention is read), ``num_warps``,
+    ``num_stages``. Picked by ``scripts/bench_indexer_loss.py --sweep`` on one H200 (K = 2048,
+    bf16): in the forward at T = 16384 3 stages took MLA (64 heads x 576) from 17.4 to 14.1 ms and
+    left GQA (32/8 x 128) at ~20 ms, and 8 warps were slower everywhere. The given-target forward
+    takes 128 keys a step (4 warps, 2 stages): at 128K tokens 12.7 ms against 21.0 with the
+    forward's tiles (the benchmark's realistic selection), 48 -> 31 ms over the two layers of the
+    GLM-5-shaped step (``scripts/profile_step.py``). The backward keeps 64 keys, 4 warps, 2 stages:
+    128 keys were faster on the synthetic selections (60.1 against 70.0 ms at 128K) but not in that
+    step's profile, on the step's own selections (150 against 144 ms). The lse pass shares the
+    forward's loop nest and tiles. Under the CPU interpreter the kernels run 16-wide tiles whatever
+    the config.
     """
 
     lse: dict = field(default_factory=lambda: {"BLOCK_K": 64, "BLOCK_DA": 64, "num_warps": 4, "num_stages": 3})
     fwd: dict = field(default_factory=lambda: {"BLOCK_K": 64, "BLOCK_DA": 64, "num_warps": 4, "num_stages": 3})
+    fwd_given: dict = field(default_factory=lambda: {"BLOCK_K": 128, "num_warps": 4, "num_stages": 2})
     bwd: dict = field(default_factory=lambda: {"BLOCK_K": 64, "num_warps": 4, "num_stages": 2})
 
 
@@ -74,6 +81,8 @@ def _launch_config(kernel: str, device: torch.device, config: IndexerKLConfig | 
     cfg = dict(getattr(config, kernel)) if device.type == "cuda" else dict(_INTERPRETER_TILES)
     if kernel == "bwd":
         cfg.pop("BLOCK_DA", None)
+    elif kernel == "fwd_given":  # the attention is unread: its tile is the smallest that compiles
+        cfg["BLOCK_DA"] = 16
     else:
         cfg["BLOCK_DA"] = min(cfg["BLOCK_DA"], _pow2(dqk))
     return cfg
@@ -179,7 +188,7 @@ def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices
     Hkv = attn_k.shape[2]
     if B * S == 0:
         return kl, (target if save_target else None), z, lse_i
-    cfg = _launch_config("fwd", dev, config, Dqk)
+    cfg = _launch_config("fwd_given" if p_given else "fwd", dev, config, Dqk)
     kernels.indexer_kl_fwd_kernel[(S, B)](
         index_q, index_k, index_w, indices, attn_q, attn_k, lse,
         kl, target, z, lse_i,
