@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..context_parallel import BATCH_KWARG, gather_tokens
+from ..kernels.rope import rotary_embedding
 from ..state import PatchState
 from ._cp_attention import cp_attention
 from ._dsa_patch import patch_attention, resolve_indexer_options
@@ -36,7 +37,12 @@ class MLADSAFamily:
         attention_class: the Transformers attention module class to patch.
         main_rope: the family's RoPE function for the main attention, ``(q, k, cos, sin, unsqueeze_dim=...)``
             (a ``staticmethod``).
+        main_rope_interleaved: where main_rope is one of Transformers' two RoPE forms, which: True for
+            ``apply_rotary_pos_emb_interleave``, False for ``apply_rotary_pos_emb``; the fused kernel
+            (``kernels.rope``) then runs in its place, once a probe has found the two give the same
+            bits (``_fused_rope``). None: main_rope runs.
         indexer_rope: the family's RoPE function for the indexer (same signature, a ``staticmethod``).
+        indexer_rope_interleaved: the same for indexer_rope.
         indexer_rope_first: RoPE on the first ``qk_rope_head_dim`` dims of the indexer head (else the last).
         relu: the family's own choice of ReLU on the per-head indexer logits.
         returns_indices: the attention returns ``(out, weights, topk_indices)`` (IndexShare families).
@@ -47,7 +53,9 @@ class MLADSAFamily:
     model_type: str = ""
     attention_class: type = None
     main_rope: Callable = None
+    main_rope_interleaved: bool | None = None
     indexer_rope: Callable = None
+    indexer_rope_interleaved: bool | None = None
     indexer_rope_first: bool = True
     relu: bool = True
     returns_indices: bool = False
@@ -86,6 +94,10 @@ class MLADSAFamily:
 
     def apply_main_rope(self, attn, q_rot, k_rot, cos, sin):
         """q_rot [B, S, H, r], k_rot [B, S, r] -> both rotated (the family's layout)."""
+        interleaved = _fused_rope(self.main_rope, self.main_rope_interleaved, cos, sin)
+        if interleaved is not None:
+            return (rotary_embedding(q_rot, cos, sin, interleaved=interleaved),
+                    rotary_embedding(k_rot[:, :, None], cos, sin, interleaved=interleaved)[:, :, 0])
         q_rot, k_rot = self.main_rope(q_rot, k_rot[:, :, None], cos, sin, unsqueeze_dim=2)
         return q_rot, k_rot[:, :, 0]
 
@@ -160,11 +172,80 @@ class MLADSAFamily:
     def _indexer_rope(self, indexer, q, k, cos, sin):
         """``(q, k)`` with the family's indexer RoPE on its rotated dims (the first or last ``qk_rope_head_dim``)."""
         r, d = indexer.qk_rope_head_dim, indexer.head_dim
+        interleaved = _fused_rope(self.indexer_rope, self.indexer_rope_interleaved, cos, sin)
+        if interleaved is not None:  # the rotated part and the rest in one pass, no split and cat
+            kw = dict(interleaved=interleaved, rotary_dims=r, rotary_first=self.indexer_rope_first)
+            return rotary_embedding(q, cos, sin, **kw), rotary_embedding(k, cos, sin, **kw)
         sizes = [r, d - r] if self.indexer_rope_first else [d - r, r]
         q_parts, k_parts = list(torch.split(q, sizes, dim=-1)), list(torch.split(k, sizes, dim=-1))
         i = 0 if self.indexer_rope_first else 1
         q_parts[i], k_parts[i] = self.indexer_rope(q_parts[i], k_parts[i], cos, sin, unsqueeze_dim=2)
         return torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
+
+
+# ----------------------------------------------------------------------------- fused RoPE
+
+
+# (function, interleaved) -> whether it computes the bits of rotary_embedding; filled at patch time
+# (``probe_family_ropes``), outside any forward: the probe runs autograd of its own, which a
+# checkpointed or compiled forward must not see.
+_ROPE_MATCHES: dict[tuple[Callable, bool], bool] = {}
+
+
+def probe_family_ropes(family: MLADSAFamily) -> None:
+    """Probe the family's declared RoPE layouts once (``_rope_matches``), for ``_fused_rope``."""
+    for fn, interleaved in ((family.main_rope, family.main_rope_interleaved),
+                            (family.indexer_rope, family.indexer_rope_interleaved)):
+        if interleaved is not None and (fn, interleaved) not in _ROPE_MATCHES:
+            with torch.enable_grad():
+                _ROPE_MATCHES[fn, interleaved] = _rope_matches(fn, interleaved)
+
+
+def _fused_rope(fn: Callable, interleaved: bool | None, cos: torch.Tensor, sin: torch.Tensor) -> bool | None:
+    """The layout to run ``kernels.rope`` in instead of the family's RoPE function ``fn``, or None to run
+    ``fn``: where the family declares one, the probe found ``fn`` computing its bits, and the tables
+    need no gradient (Mistral Large 4 can learn its frequencies; the kernel gives only the input's)."""
+    if interleaved is None or cos.dim() != 3 or not _ROPE_MATCHES.get((fn, interleaved), False):
+        return None
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return None
+    return interleaved
+
+
+def _rope_matches(fn: Callable, interleaved: bool) -> bool:
+    """Whether Transformers' ``fn`` gives the bits of ``rotary_embedding`` (its torch path, which the
+    kernel matches), forward and backward, on a small bfloat16 probe; warns once if not (a Transformers
+    version that rewrote its RoPE: the family's own function then runs)."""
+    g = torch.Generator().manual_seed(0)
+    B, S, H, r = 2, 3, 2, 8
+    q = (torch.randn(B, S, H, r, generator=g) * 4).bfloat16()
+    k = (torch.randn(B, S, 1, r, generator=g) * 4).bfloat16()
+    half = torch.randn(B, S, r // 2, generator=g) * 3
+    ang = torch.cat([half, half], -1)  # as Transformers' rotary embeddings build the tables
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    grads = [torch.randn(B, S, n, r, generator=g).bfloat16() for n in (H, 1)]
+
+    def run(f):
+        leaves = [t.clone().requires_grad_() for t in (q, k)]
+        outs = f(*leaves)
+        torch.autograd.backward(outs, grads)
+        return [*outs, *(t.grad for t in leaves)]
+
+    try:
+        ours = run(lambda a, b: (rotary_embedding(a, cos, sin, interleaved=interleaved, backend="torch"),
+                                 rotary_embedding(b, cos, sin, interleaved=interleaved, backend="torch")))
+        theirs = run(lambda a, b: tuple(fn(a, b, cos, sin, unsqueeze_dim=2)))
+        same = all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ours, theirs))
+    except Exception:  # noqa: BLE001 - any failure means "not the same function"
+        same = False
+    if not same:
+        warnings.warn(
+            f"hyscale_hf: {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)} does not compute "
+            f"Transformers' {'interleaved' if interleaved else 'rotate_half'} RoPE bit for bit in this "
+            "Transformers version; the fused RoPE kernel is off for it and the function itself runs",
+            stacklevel=2,
+        )
+    return same
 
 
 # ----------------------------------------------------------------------------- caches
@@ -457,6 +538,7 @@ def patch_mla_dsa_model(model: torch.nn.Module, state: PatchState, family: MLADS
             f"{type(model).__name__} has no {family.attention_class.__name__} module to patch for {family.model_type!r}"
         )
     resolve_indexer_options(state.config, modules[0].config, default_relu=family.relu, shape_from_weights=True)
+    probe_family_ropes(family)
 
     def prepare(undo, module):
         undo.set_attr(module, "_hyscale_family", family)

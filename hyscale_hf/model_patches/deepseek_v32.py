@@ -18,7 +18,9 @@ if _modeling is not None:
         model_type = "deepseek_v32"
         attention_class = _modeling.DeepseekV32Attention
         main_rope = staticmethod(_modeling.apply_rotary_pos_emb_interleave)
+        main_rope_interleaved = True
         indexer_rope = staticmethod(_modeling.apply_rotary_pos_emb)
+        indexer_rope_interleaved = False
         indexer_rope_first = True
         relu = True
         returns_indices = False

@@ -27,7 +27,9 @@ if _modeling is not None:
         model_type = "dots3_note"
         attention_class = _modeling.Dots3NoteTextAttention
         main_rope = staticmethod(_modeling.apply_rotary_pos_emb_interleave)
+        main_rope_interleaved = True
         indexer_rope = staticmethod(_modeling.apply_rotary_pos_emb_interleave)
+        indexer_rope_interleaved = True
         indexer_rope_first = True
         relu = True
         returns_indices = False

@@ -22,7 +22,9 @@ if _modeling is not None:
         model_type = "glm_moe_dsa"
         attention_class = _modeling.GlmMoeDsaAttention
         main_rope = staticmethod(_modeling.apply_rotary_pos_emb_interleave)
+        main_rope_interleaved = True
         indexer_rope = staticmethod(_modeling.apply_rotary_pos_emb_interleave)
+        indexer_rope_interleaved = True
         indexer_rope_first = True
         relu = True
         returns_indices = True

@@ -30,7 +30,9 @@ if _modeling is not None:
         model_type = "hy_v4"
         attention_class = _modeling.HYV4Attention
         main_rope = staticmethod(_modeling.apply_rotary_pos_emb)
+        main_rope_interleaved = False
         indexer_rope = staticmethod(_modeling.apply_rotary_pos_emb)
+        indexer_rope_interleaved = False
         indexer_rope_first = False
         relu = True
         returns_indices = True
