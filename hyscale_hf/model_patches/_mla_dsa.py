@@ -20,6 +20,7 @@ import torch
 
 from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..kernels.rope import rotary_embedding
+from ..kernels.sparse_attn.mla_output import absorbed_output
 from ..state import PatchState
 from ._cp_attention import cp_attention
 from ._dsa_patch import patch_attention, resolve_indexer_options
@@ -391,7 +392,7 @@ def mla_dsa_attention_forward(
                              sinks=family.sinks(self), name=family.model_type)
 
     def finish(o_latent):  # [B, S, H, C] -> the module output
-        o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
+        o = absorbed_output(o_latent, w_uv.to(o_latent.dtype))
         return self.o_proj(family.finish_output(self, x, o, gate))
 
     attn_output, topk_indices, weights = dsa_attention(
@@ -419,7 +420,7 @@ def _cp_forward(self, family: MLADSAFamily, state: PatchState, batch, x, q_nope,
 
     def finish(a: int, b: int):
         def run(o_latent):
-            o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
+            o = absorbed_output(o_latent, w_uv.to(o_latent.dtype))
             return self.o_proj(family.finish_output(self, x[:, a:b], o, None if gate is None else gate[:, a:b]))
 
         return run
@@ -511,7 +512,7 @@ def _tiled_forward(self, family: MLADSAFamily, state: PatchState, x, cos, sin, a
                                      scale=self.scaling, sinks=sinks, name=family.model_type)
             attend = attention.attend_selected if selected else attention.attend_window
             o_latent, lse = attend(attended, state.config.backend)
-            o = torch.einsum("bshc,hvc->bshv", o_latent, w_uv.to(o_latent.dtype))
+            o = absorbed_output(o_latent, w_uv.to(o_latent.dtype))
             out = self.o_proj(family.finish_output(self, x[:, a:b], o, gate))
             return out, attention.attn_q.detach(), lse.detach()
 
