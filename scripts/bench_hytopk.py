@@ -1,14 +1,16 @@
 """Benchmark HyTopK against the baselines of docs/design.md section 10, in one run, on one GPU.
 
-One sequence, H = 32 indexer heads of D = 128, topk = 2048, bf16 q/k, fp32 w, causal.
-For each T: HyTopK (backend="triton"; its scan runs the Gluon kernel on sm_90), the query-chunked
-torch baseline (score a chunk of queries with one matmul, ReLU, head-weighted sum, causal mask,
-torch.topk: what a careful user writes), the
-Transformers-style path (fp32 [S, H, T] scores + torch.topk) where it fits in memory, and the bf16
-scoring floor: 4096 * T^2 FLOP (2 * H * D per causal pair) at the bf16 matmul rate measured in the
-same run. Also one HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
+One sequence, H = 32 indexer heads of D = 128 (``--heads``, ``--dim``: the small indexers of converted
+dense models, e.g. 2 x 64), topk = 2048, bf16 q/k, fp32 w, causal.
+For each T: HyTopK (backend="triton"; its scan runs the Gluon kernel on sm_90 where it applies), the
+query-chunked torch baseline (score a chunk of queries with one matmul, ReLU, head-weighted sum,
+causal mask, torch.topk: what a careful user writes), the Transformers-style path (fp32 [S, H, T]
+scores + torch.topk) where it fits in memory, and the bf16 scoring floor: H * D * T^2 FLOP (2 * H * D
+per causal pair; 4096 * T^2 for 32 x 128) at the bf16 matmul rate measured in the same run. Also one
+HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
 
     python scripts/bench_hytopk.py --out results/ [--lengths 8192 32768 131072] [--million]
+    python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072   # a small indexer's tiles
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -30,6 +32,7 @@ import triton
 
 from hyscale_hf.benchmarking.timing import cuda_median_ms
 from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
+from hyscale_hf.kernels.topk.host import padded_heads
 
 H, D, TOPK = 32, 128, 2048
 GiB = 2**30
@@ -125,7 +128,7 @@ def bench_lengths(lengths, reps, tflops):
 
 def bench_one(T, reps, tflops):
     q, k, w = make_inputs(T)
-    floor_ms = 4096 * T**2 / (tflops * 1e12) * 1e3
+    floor_ms = H * D * T**2 / (tflops * 1e12) * 1e3
     r = {"T": T, "floor_ms": floor_ms}
     n = reps if T <= 32768 else max(2, reps // 2)
     ours = lambda: hytopk(q, k, w, TOPK, backend="triton")  # noqa: E731
@@ -159,7 +162,7 @@ def bench_one(T, reps, tflops):
     if r["transformers_style_ms"]:
         r["speedup_vs_transformers"] = r["transformers_style_ms"] / r["ours_ms"]
     r["ours_over_floor"] = r["ours_ms"] / floor_ms
-    r["ours_tflops"] = 4096 * T**2 / (r["ours_ms"] * 1e-3) / 1e12
+    r["ours_tflops"] = H * D * T**2 / (r["ours_ms"] * 1e-3) / 1e12
     print(json.dumps(r), flush=True)
     return r
 
@@ -183,7 +186,7 @@ def bench_million(T, tflops):
     ok = bool((idx[0, -1] >= 0).all()) and int(idx[0, 0, 1]) == -1
     out_gib = idx.numel() * 4 / GiB
     r = {
-        "T": T, "ours_ms": ms, "floor_ms": 4096 * T**2 / (tflops * 1e12) * 1e3,
+        "T": T, "ours_ms": ms, "floor_ms": H * D * T**2 / (tflops * 1e12) * 1e3,
         "ours_peak_extra_gib": peak / GiB, "outputs_gib": out_gib, "scratch_and_temps_gib": peak / GiB - out_gib,
         "inputs_gib": (q.numel() * 2 + k.numel() * 2 + w.numel() * 4) / GiB,
         "rows_refined": st["rows_refined"], "refines": st["refines"], "sane_output": ok,
@@ -197,7 +200,7 @@ def sweep(T, tflops, reps, configs):
     """Time (config, cap) pairs: full op, scan kernel only, scoring only. Returns [(full_ms, config, cap)]."""
     q, k, w = make_inputs(T)
     ref = hytopk(q, k, w, TOPK, backend="triton")
-    print(f"sweep T={T}: floor {4096 * T**2 / (tflops * 1e12) * 1e3:.2f} ms", flush=True)
+    print(f"sweep T={T}: floor {H * D * T**2 / (tflops * 1e12) * 1e3:.2f} ms", flush=True)
     results = []
     for c, cap in configs:
         run = lambda c=c, cap=cap, **kw: hytopk_triton(q, k, w, TOPK, config=c, cap=cap, **kw)  # noqa: E731
@@ -226,6 +229,13 @@ def sweep(T, tflops, reps, configs):
 
 def sweep_configs():
     cfg = HyTopKConfig
+    if H < 16:  # small indexers: the scan's query rows per program (its parallelism) matter most
+        hp = padded_heads(H)
+        return [
+            (cfg(bq, bn, 4, 2), None)
+            for bq in sorted({max(4, 16 // hp), max(4, 32 // hp), max(4, 64 // hp), max(4, 128 // hp)})
+            for bn in (64, 128)
+        ] + [(cfg(max(4, 32 // hp), 64, 4, 2, lanes=1), None), (cfg(max(4, 32 // hp), 64, 4, 3), None)]
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
@@ -251,7 +261,7 @@ def plot(rows, million, path, tflops):
     if tf:
         ax.plot(*zip(*tf), "^-", label="Transformers-style fp32 [S,H,T] + topk")
     allT = Ts + ([million["T"]] if million else [])
-    ax.plot(allT, [4096 * t**2 / (tflops * 1e12) * 1e3 for t in allT], "k--", label=f"bf16 scoring floor ({tflops:.0f} TFLOP/s)")
+    ax.plot(allT, [H * D * t**2 / (tflops * 1e12) * 1e3 for t in allT], "k--", label=f"bf16 scoring floor ({tflops:.0f} TFLOP/s)")
     if million:
         ax.plot([million["T"]], [million["ours_ms"]], "o", color="C0")
     ax.set_xscale("log", base=2)
@@ -271,10 +281,14 @@ def main():
     p.add_argument("--lengths", type=int, nargs="*", default=[8192, 32768, 131072])
     p.add_argument("--million", action="store_true", help="also one HyTopK run at 2**20 tokens")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--heads", type=int, default=32, help="indexer heads")
+    p.add_argument("--dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="time tile configs at these T instead")
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
+    global H, D
+    H, D = a.heads, a.dim
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
@@ -293,9 +307,10 @@ def main():
         "triton": triton.__version__, "H": H, "D": D, "topk": TOPK,
         "bf16_matmul_tflops": tflops, "rows": rows, "million": million,
     }  # fmt: skip
-    with open(os.path.join(a.out, "bench_hytopk.json"), "w") as f:
+    name = "bench_hytopk" if (H, D) == (32, 128) else f"bench_hytopk_h{H}d{D}"
+    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot(rows, million, os.path.join(a.out, "bench_hytopk.png"), tflops)
+    plot(rows, million, os.path.join(a.out, f"{name}.png"), tflops)
     print(f"{'T':>8} {'ours':>9} {'chunked':>9} {'tf-style':>9} {'floor':>8} {'x chunk':>7} {'/floor':>6} {'GiB':>6} {'refined':>8}")
     for r in rows + ([million] if million else []):
         tf = r.get("transformers_style_ms")

@@ -126,7 +126,13 @@ def pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> HyT
         return HyTopKConfig(BQ=max(1, 64 // hp), BN=64, num_warps=4, num_stages=2)
     # Measured on an H200 (H = 32, D = 128, bf16, T = 32K and 128K): BN = 64 keys by BQ * H = 128
     # with 4 warps scored fastest (several programs per SM hide each other's epilogues).
-    return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+    if hp >= 16:
+        return HyTopKConfig(BQ=max(1, 128 // hp), BN=64, num_warps=4, num_stages=2)
+    # Small indexers (converted dense models: 2 x 64, 4 x 64): 128 // hp queries per program leave a
+    # chunk of ~4K rows only 32-64 programs for 132 SMs. 8 queries per program, H200, T = 32K / 128K,
+    # whole op: H = 2, 10.8 / 88.2 ms against 13.7 / 113.2 ms with 64; H = 4, 9.7 / 89.7 ms against
+    # 10.5 ms at 32K with 32 (`bench_hytopk.py --heads H --dim 64 --sweep 32768 131072`).
+    return HyTopKConfig(BQ=8, BN=64, num_warps=4, num_stages=2)
 
 
 # Product columns (queries x heads) per selection warpgroup of the Gluon scan.

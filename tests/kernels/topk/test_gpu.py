@@ -124,8 +124,9 @@ def test_unaligned_keys_take_pointer_loads():
 
 @pytest.mark.parametrize(
     "dtype,H,D,relu",
-    [(torch.float16, 16, 64, True), (torch.float32, 64, 64, True), (torch.bfloat16, 8, 128, False)],
-    ids=["fp16-H16-D64", "fp32-H64-D64", "bf16-H8-relu-off"],
+    [(torch.float16, 16, 64, True), (torch.float32, 64, 64, True), (torch.bfloat16, 8, 128, False),
+     (torch.bfloat16, 2, 64, True), (torch.bfloat16, 4, 32, True)],
+    ids=["fp16-H16-D64", "fp32-H64-D64", "bf16-H8-relu-off", "bf16-H2-D64", "bf16-H4-D32"],
 )
 def test_dtypes_heads_relu_exact(dtype, H, D, relu):
     T = 2048
