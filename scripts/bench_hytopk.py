@@ -229,8 +229,8 @@ def sweep(T, tflops, reps, configs):
 
 def sweep_configs():
     cfg = HyTopKConfig
-    if H < 16:  # small indexers: the scan's query rows per program (its parallelism) matter most
-        hp = padded_heads(H)
+    hp = padded_heads(H)
+    if hp < 16:  # small indexers (pick_config's own rule): the scan's rows per program matter most
         return [
             (cfg(bq, bn, 4, 2), None)
             for bq in sorted({max(4, 16 // hp), max(4, 32 // hp), max(4, 64 // hp), max(4, 128 // hp)})
