@@ -20,7 +20,7 @@ those gradients held from forward to backward: ``S * (H * D + D + H)`` elements 
 GLM-5's 32 x 128 about as much as it).
 
 ``deferred_indexer_loss`` computes it in backward instead, where the attention's backward has left
-the KL's target (the MLA families' sparse stage, ``model_patches/_dsa_step._deferred_target``): no
+the KL's target (the sparse stage, ``model_patches/_dsa_step._deferred_target``): no
 pass of its own over the attention's keys, and nothing held from forward to backward.
 """
 

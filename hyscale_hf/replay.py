@@ -4,6 +4,7 @@ Selections enter the graph only through dispatcher-visible custom ops (``hyscale
 full indexer layer, ``hyscale::reuse_indices`` for an IndexShare layer taking its source layer's
 indices), so a selective-checkpoint policy can save their outputs and the recompute replays them:
 the indexer and its top-k never run in backward, and backward uses exactly the forward's selection.
+The same policy keeps the sparse attention's output where it is small (``hyscale::sparse_attention_forward``).
 
 This module is the generic part, usable with any ``torch.utils.checkpoint`` call and free of
 Transformers: the ``reuse_indices`` op, the policy, ``ReplayContextFn`` (the ``context_fn`` that
@@ -29,6 +30,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .kernels.sparse_attn.forward_op import kept_by_replay, sparse_attention_forward_op
 from .kernels.topk import hytopk_op, selection_counts
 from .state import in_backward
 
@@ -56,15 +58,21 @@ def _(indices):
 # ----------------------------------------------------------------------------- policy
 
 SELECTION_OPS = frozenset({hytopk_op._opoverload, reuse_indices._opoverload})
+_ATTENTION_FORWARD = sparse_attention_forward_op._opoverload
 
 
 def replay_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy: keep the selections, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in SELECTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective-checkpoint policy: keep the selections, and the sparse attention's output where it is no
+    larger than the selection (``kernels/sparse_attn/forward_op.py``: the recompute then skips the
+    attention's forward kernels); recompute everything else."""
+    if op in SELECTION_OPS or (op is _ATTENTION_FORWARD and kept_by_replay(args, kwargs)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The policy under an offloading store: the selections are kept by ``_SelectionStore`` instead."""
+    """The policy under an offloading store: the selections are kept by ``_SelectionStore`` instead, and
+    the attention's output is recomputed (offloading is for contexts where device memory is short)."""
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -281,6 +281,36 @@ def test_replay_context_fn_for_manual_checkpoint_calls():
     assert isinstance(hyscale_hf.replay_context_fn(), ReplayContextFn)
 
 
+@pytest.mark.skipif(not hyscale_hf.kernels.sparse_attn.host.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("heads,dv,kept", [(2, 16, True), (8, 64, False)], ids=["small_output", "large_output"])
+def test_replay_keeps_a_small_attention_output_and_skips_its_forward_in_recompute(heads, dv, kept, monkeypatch):
+    """The Triton sparse attention's forward kernels run once under a replay checkpoint when o and lse are
+    no larger than the selection (K = 40 int32 = 160 bytes a token: 2 fp32 heads x (16 x 4 + 4) fit,
+    8 x (64 x 4 + 4) do not): the recompute takes them from the forward; gradients equal, bit for bit."""
+    from hyscale_hf.kernels.sparse_attn import forward_op
+
+    runs = []
+    real = forward_op.forward_launch
+    monkeypatch.setattr(forward_op, "forward_launch", lambda *a: runs.append(in_backward()) or real(*a))
+    torch.manual_seed(0)
+    q = torch.randn(1, 20, heads, 16, requires_grad=True)
+    k = torch.randn(1, 20, 1, 16, requires_grad=True)
+    v = torch.randn(1, 20, 1, dv, requires_grad=True)
+    idx = torch.randint(0, 20, (1, 20, 40), dtype=torch.int32)
+
+    def block(q, k, v):
+        return hyscale_hf.sparse_attention(q, k, v, idx, backend="triton").square().sum()
+
+    ref = torch.autograd.grad(block(q, k, v), (q, k, v))
+    assert runs == [False]
+    runs.clear()
+    out = torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False,
+                                            context_fn=hyscale_hf.replay_context_fn("block"))
+    got = torch.autograd.grad(out, (q, k, v))
+    assert runs == ([False] if kept else [False, True])
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def test_trainer_gradient_checkpointing_matches_training_without_it(tmp_path):
     data = [{"input_ids": _ids(s)[0], "labels": _ids(s)[0]} for s in range(8)]
 

@@ -165,9 +165,9 @@ def test_enabling_checkpointing_on_the_inner_model_also_replays():
 @pytest.mark.parametrize("stage", ["sparse", "dense_warmup", "dense_warmup_base_frozen"])
 def test_indexer_loss_runs_once_per_layer_under_checkpointing(model_type, stage, monkeypatch):
     """Issue 22: the KL forward ran again in every checkpoint recompute. Now once per full indexer layer
-    per step, with the indexer's gradients those of a step without checkpointing (bit for bit). The MLA
-    family's sparse stage computes it in backward, from the target its attention's backward leaves
-    (``_deferred_target``); the others in forward."""
+    per step, with the indexer's gradients those of a step without checkpointing (bit for bit). The sparse
+    stage computes it in backward, from the target the sparse attention's backward leaves
+    (``_deferred_target``, MLA and GQA alike); the warm-up stages in forward."""
     from hyscale_hf.model_patches import _dsa_step
     from hyscale_hf.state import patch_state
 
@@ -182,7 +182,7 @@ def test_indexer_loss_runs_once_per_layer_under_checkpointing(model_type, stage,
 
     for name in ("indexer_kl_loss", "indexer_kl_loss_given_target"):
         monkeypatch.setattr(_dsa_step, name, counted(getattr(_dsa_step, name)))
-    deferred = model_type == "glm_moe_dsa" and stage == "sparse"
+    deferred = stage == "sparse"
     grads = []
     for checkpointing in (False, True):
         model = _patched(model_type)
@@ -225,10 +225,12 @@ def test_patched_step_reads_no_index_range_on_the_host(model_type, monkeypatch):
     assert reads and not any(reads)
 
 
-def test_deferred_indexer_loss_is_the_loss_computed_in_forward(monkeypatch):
-    """The MLA family's sparse stage takes the KL target from its attention (here the torch path, which
-    fills it in forward; the Triton path fills it in backward, ``tests/kernels/sparse_attn/test_mla.py``);
-    the loss and every gradient match the loss computed in forward from the attention tensors."""
+@pytest.mark.parametrize("model_type", MODELS)
+def test_deferred_indexer_loss_is_the_loss_computed_in_forward(model_type, monkeypatch):
+    """The sparse stage takes the KL target from its attention (here the torch path, which fills it in
+    forward; the Triton path fills it in backward, ``tests/kernels/sparse_attn/test_mla.py`` and
+    ``test_head_probs.py``); the loss and every gradient match the loss computed in forward from the
+    attention tensors."""
     from hyscale_hf.model_patches import _dsa_step
     from hyscale_hf.state import patch_state
 
@@ -236,7 +238,7 @@ def test_deferred_indexer_loss_is_the_loss_computed_in_forward(monkeypatch):
     for deferred in (True, False):
         if not deferred:
             monkeypatch.setattr(_dsa_step, "_deferred_target", lambda *args: None)
-        model = _patched("glm_moe_dsa")
+        model = _patched(model_type)
         model.gradient_checkpointing_enable()
         grads = _step(model, _ids())
         results.append((grads, patch_state(model).pop_indexer_loss()))

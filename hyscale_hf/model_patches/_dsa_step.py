@@ -9,8 +9,9 @@ builds its keys' visibility (``_visibility``), and hands all of it to ``dsa_atte
 2. attends over the selection (sparse), or over every visible key (the dense warm-up stage, and
    layers without DSA),
 3. samples top-k recall when asked (``observe_selection``), and during training joins the indexer
-   KL loss to the layer's output, computed once per step: in forward (``indexer_loss_once``), or
-   for MLA in backward from the target the attention's backward leaves (``_deferred_target``).
+   KL loss to the layer's output, computed once per step: in the sparse stage in backward, from the
+   target the sparse attention's backward leaves (``_deferred_target``), else in forward
+   (``indexer_loss_once``).
 
 The attention comes in two forms, both with the same four methods: ``MLAAttention`` (native DSA
 families, ``_mla_dsa``: absorbed MLA queries against one latent row per token) and ``GQAAttention``
@@ -98,16 +99,20 @@ class GQAAttention:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
         self.q, self.k, self.v, self.scale = q, k, v, scale
         self.shape, self.device = (q.shape[0], q.shape[1], k.shape[1]), q.device  # shape: (B, S, T)
+        self.head_probs = None  # a HeadProbs the next attend_selected fills (defer_target)
 
     def attend_selected(self, indices: torch.Tensor, backend: str):
+        # the step's own selections (dsa_attention): in range, unique, rows ascending
         return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend,
-                                check_range=False, unique_indices=True)  # the step's own selections (dsa_attention)
+                                check_range=False, unique_indices=True, head_probs=self.head_probs)
 
-    attend_window = attend_selected
+    def attend_window(self, indices: torch.Tensor, backend: str):
+        return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend,
+                                check_range=False, unique_indices=True)
 
     def defer_target(self, apply):
-        """None: this attention cannot hand the indexer KL its target from backward (``MLAAttention``)."""
-        return None
+        """As ``MLAAttention.defer_target``: the KL target from the sparse attention's backward."""
+        return _route_target(self, ("k", "q", "v"), apply)
 
     def attend_all(self, vis: Visibility, backend: str):
         """Every visible key, through SDPA; no lse. Plain causal inputs use ``is_causal``; anything else a
@@ -181,14 +186,7 @@ class MLAAttention:
         carrier, or None where that cannot be (sinks change the target's normaliser; no input needs grad)."""
         if self.sinks is not None:
             return None
-        for name in ("kv", "q_nope", "q_rot"):
-            anchor = getattr(self, name)
-            if anchor.requires_grad:
-                self.head_probs = HeadProbs()
-                routed, carrier = apply(anchor, self.head_probs)
-                setattr(self, name, routed)
-                return carrier
-        return None
+        return _route_target(self, ("kv", "q_nope", "q_rot"), apply)
 
     def attend_window(self, indices: torch.Tensor, backend: str):
         self.attn_q = absorbed_query(self.q_nope, self.q_rot, self.w_uk)  # through plain autograd
@@ -222,6 +220,20 @@ class MLAAttention:
         sink = self.sinks.float()
         o = o * torch.sigmoid(lse - sink).to(o.dtype)[..., None]
         return o, torch.logaddexp(lse, sink)  # the softmax normaliser including the sink, for the KL target
+
+
+def _route_target(attention, names: tuple[str, ...], apply):
+    """``defer_target`` of both forms: route the first input among ``names`` that needs grad through
+    ``apply(anchor, head_probs)`` and keep the routed tensor in its place; the carrier, or None when none
+    needs grad."""
+    for name in names:
+        anchor = getattr(attention, name)
+        if anchor.requires_grad:
+            attention.head_probs = HeadProbs()
+            routed, carrier = apply(anchor, attention.head_probs)
+            setattr(attention, name, routed)
+            return carrier
+    return None
 
 
 def _dense_mla(q, k, value_dim: int, scale: float, vis: Visibility, want_lse: bool):

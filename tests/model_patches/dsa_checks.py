@@ -353,7 +353,7 @@ def check_right_padding_full_topk(model_type: str) -> None:
             assert_close(ref(x, attention_mask=mask).logits, pat(x, attention_mask=mask).logits,
                          what=f"right padding, dense_warmup={warmup}")
         pat.train()
-        # a training step: the MLA families' sparse stage records the loss in backward (_deferred_target)
+        # a training step: the sparse stage records the loss in backward (_deferred_target)
         pat(x, attention_mask=mask, labels=padded_labels(x, mask)).loss.backward()
         padded = patch_state(pat).pop_indexer_loss()
         pat(x[:, :13], labels=x[:, :13]).loss.backward()

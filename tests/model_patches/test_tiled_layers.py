@@ -59,8 +59,11 @@ def test_tiled_checkpointed_step_equals_the_untiled_one(model_type, offload):
     assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] > 0  # replay unchanged
     if offload:
         off = patch_state(model).offloader.stats
-        # layer inputs, replayed selections (one per full or shared indexer layer) and indexer-loss gradients
-        assert off["offloaded_input"] > 0 and off["offloaded_stash"] > 0
+        # layer inputs, replayed selections (one per full or shared indexer layer) and the indexer-loss
+        # gradients of the tiled MLA layers (their KL runs a tile at a time in forward; a GQA layer's
+        # runs in backward from its attention's target, so nothing is held for it)
+        assert off["offloaded_input"] > 0
+        assert (off.get("offloaded_stash", 0) > 0) == (model_type != "llama")
         assert off["offloaded_selection"] == stats["replayed_selections"]
         assert off["prefetched"] > 0
 

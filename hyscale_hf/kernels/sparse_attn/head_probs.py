@@ -4,19 +4,21 @@ The indexer KL's target on each query's selected keys is ``P[b, s, j] = sum_h ex
 k[idx[b, s, j]] - lse[b, s, h])`` (0 where ``idx = -1``). The attention's backward forms exactly these
 ``exp`` terms when it recomputes its probabilities, so there the target costs a row sum instead of a
 second pass over the selected keys at every head (``indexer_kl_fwd_kernel``'s attention part, the
-larger part of the KL's time). A caller hands ``mla_sparse_attention(..., head_probs=HeadProbs())``
-and reads the value once that backward ran (``take``).
+larger part of the KL's time). A caller hands ``sparse_attention(..., head_probs=HeadProbs())`` or
+``mla_sparse_attention(..., head_probs=HeadProbs())`` and reads the value once that backward ran (``take``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..checks import has_values
+
 
 class HeadProbs:
     """Receives ``P [B, S, K]`` fp32 of one attention call: in its backward on the Triton path (fused
-    into the Gluon dK/dV kernel on sm_90, else ``indexer_kl.attention_prob_sum``), in its forward on
-    the torch path."""
+    into the GQA backward kernel, or the Gluon MLA dK/dV kernel on sm_90; else ``prob_sum_pass``), in
+    its forward on the torch path."""
 
     __slots__ = ("value",)
 
@@ -29,3 +31,25 @@ class HeadProbs:
             raise RuntimeError("HeadProbs.take(): the attention that fills it has not run its backward yet")
         value, self.value = self.value, None
         return value
+
+
+def prob_sum_pass(q, k, indices, lse, scale: float, backend: str) -> torch.Tensor:
+    """``P`` by a pass of its own over the selected keys (``indexer_kl.attention_prob_sum``), where no
+    attention kernel that ran could add it: the torch path, the deterministic backward, the MLA
+    backward's Triton kernels."""
+    # imported here: indexer_kl builds on sparse_attn's reference (gather_keys)
+    from ..indexer_kl import attention_prob_sum
+
+    return attention_prob_sum(q.detach(), k.detach(), indices, lse.detach(), scale, backend=backend,
+                              check_range=False)
+
+
+def check_sorted_rows(indices: torch.Tensor) -> None:
+    """Raise unless every row of ``indices`` lists its keys in ascending order with its -1 slots after
+    them (``hytopk``'s rows): query tiles place the head sums by rank (one host sync)."""
+    if indices.shape[-1] < 2 or not indices.numel() or torch.compiler.is_compiling() or not has_values(indices):
+        return
+    nxt, cur = indices[..., 1:], indices[..., :-1]
+    if bool(((nxt >= 0) & ((cur < 0) | (nxt <= cur))).any()):
+        raise ValueError("indices: with head_probs every row must list its keys in ascending order, each once, "
+                         "with its -1 slots after them (as hytopk returns them)")

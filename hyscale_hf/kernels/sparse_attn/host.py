@@ -2,8 +2,9 @@
 
 Kernels: ``triton_kernels.py`` (the design is described there) and, for MLA on sm_90, the Gluon
 forward (``mla_forward_gluon.py``) and the Gluon dS + dK/dV part of the backward
-(``mla_backward_gluon.py``). The autograd wrappers (``op.py``, ``mla.py``) call ``sparse_attention_fwd``
-and ``sparse_attention_bwd``; ``SparseAttentionConfig`` chooses tile shapes and kernel variants.
+(``mla_backward_gluon.py``). The autograd wrappers (``op.py``, ``mla.py``) run the forward through
+``forward_op.sparse_attention_forward`` (``forward_plan``, then ``forward_launch`` inside a custom op)
+and call ``sparse_attention_bwd``; ``SparseAttentionConfig`` chooses tile shapes and kernel variants.
 """
 
 from __future__ import annotations
@@ -349,46 +350,56 @@ def key_lists(
     return token_lists(indices)
 
 
-def sparse_attention_fwd(q, k, v, indices, scale: float, config: SparseAttentionConfig, unique: bool = False):
-    """Returns o, lse and the key lists (saved for the backward). ``unique``: no query lists a key twice
-    (``tile_unions``)."""
+def forward_plan(q, k, v, indices, config: SparseAttentionConfig, unique: bool = False):
+    """``(lists, run, launch)`` of a forward: the key lists saved for the backward, the lists the forward
+    kernel walks, and its launch (``[1]``: the Gluon MLA forward; else ``[0, BLOCK_H, BLOCK_N, num_warps,
+    num_stages]`` of ``sparse_attn_fwd_kernel``). ``unique``: no query lists a key twice (``tile_unions``)."""
     B, S, Hq, Dqk = q.shape
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = Hq // Hkv
+    d1, _ = _split_key_dim(Dqk)
+    lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config, unique=unique)
+    run = lists
+    if S and lists.tile_q and lists.idx.shape[2] > TILED_FWD_MAX_UNION * indices.shape[2]:
+        # Little overlap between neighbouring queries: a tile's product would be mostly masked
+        # work, while the per-token forward only moves the selected rows. (The backward still
+        # takes the tiles: there a key's contributions sum in registers before one atomic add.)
+        run = token_lists(indices)
+    v_from_k = v_is_k_prefix(k, v) and Dv == d1
+    if _gluon_mla_forward_applies(q, k, v_from_k, run, config):
+        return lists, run, [1]
+    cfg = launch_config("fwd_tiled" if run.tile_q else "fwd", group, Dqk, Dv, run.idx.shape[2], config)
+    return lists, run, [0, cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]]
+
+
+def forward_launch(q, k, v, run: KeyLists, scale: float, launch: list[int]):
+    """o [B, S, Hq, Dv] in q's dtype and lse [B, S, Hq] fp32 over the lists ``run``, as ``forward_plan``
+    launched them."""
+    B, S, Hq, Dqk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
     group = Hq // Hkv
     d1, d2 = _split_key_dim(Dqk)
     v_from_k = v_is_k_prefix(k, v) and Dv == d1
     o = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
-    lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config, unique=unique)
     if S == 0:
-        return o, lse, lists
-    run = lists
-    if lists.tile_q and lists.idx.shape[2] > TILED_FWD_MAX_UNION * indices.shape[2]:
-        # Little overlap between neighbouring queries: a tile's product would be mostly masked
-        # work, while the per-token forward only moves the selected rows. (The backward still
-        # takes the tiles: there a key's contributions sum in registers before one atomic add.)
-        run = token_lists(indices)
-    if _gluon_mla_forward_applies(q, k, v_from_k, run, config):
+        return o, lse
+    if launch[0]:
         z = _unit_dims_zeroed
         mla_forward_gluon.mla_forward(z(q), z(k), run.idx, run.num, scale * _LOG2E, o, lse)
-        return o, lse, lists
+        return o, lse
+    block_h, block_n, num_warps, num_stages = launch[1:]
     L = run.idx.shape[2]
-    if run.tile_q:
-        cfg = launch_config("fwd_tiled", group, Dqk, Dv, L, config)
-        nhb, programs = 1, run.idx.shape[1]
-    else:
-        cfg = launch_config("fwd", group, Dqk, Dv, L, config)
-        nhb, programs = triton.cdiv(group, cfg["BLOCK_H"]), S
+    nhb, programs = (1, run.idx.shape[1]) if run.tile_q else (triton.cdiv(group, block_h), S)
     kernels.sparse_attn_fwd_kernel[(programs, B * Hkv * nhb)](
         q, k, v, run.idx, run.num, run.bits, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *run.idx.stride(), run.bits.stride(0) if run.tile_q else 0,
         *o.stride(), *lse.stride(),
         S, L, Hkv, group, nhb, run.idx.shape[1], max(1, run.tile_q), scale * _LOG2E,
-        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, TILED=bool(run.tile_q), BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        D1=d1, D2=d2, DV=Dv, V_FROM_K=v_from_k, TILED=bool(run.tile_q), BLOCK_H=block_h,
+        BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return o, lse, lists
+    return o, lse
 
 
 def sparse_attention_bwd(
@@ -396,8 +407,10 @@ def sparse_attention_bwd(
     psum: torch.Tensor | None = None,
 ):
     """Returns (dq, dk, dv, psum_done); dv is None when ``merge_dv`` folded it into dk. ``psum`` (fp32
-    zeros [B, S, L] over per-token lists): the Gluon dK/dV kernel adds each slot's head-summed P
-    there (the indexer KL's target) where it runs; ``psum_done`` says whether it did."""
+    zeros [B, S, K] over the caller's index slots): the kernels that can add each slot's head-summed P
+    there (the indexer KL's target) do so: the fused GQA kernel (atomic backward, per-token lists or
+    query tiles over rows sorted ascending) and the Gluon MLA dK/dV kernel (per-token lists);
+    ``psum_done`` says whether one did."""
     B, S, Hq, Dqk = q.shape
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     idx = lists.idx
@@ -440,6 +453,8 @@ def sparse_attention_bwd(
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
 
     gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
+    fused_psum = psum is not None and not split and not deterministic
+    psum_t = psum if fused_psum else lse  # any fp32 tensor of rank 3; unread without HAS_PSUM
     passes = key_pass_count(acc, config) if gluon_dkv else 1
     for t0 in range(0, units, chunk):
         count = min(chunk, units - t0)
@@ -481,17 +496,17 @@ def sparse_attention_bwd(
             )  # fmt: skip
         else:
             kernels.sparse_attn_bwd_kernel[(count, grid_heads)](
-                q, k, v, idx, lists.num, lists.bits, o, do, lse, dlse_t, dq, target,
+                q, k, v, idx, lists.num, lists.bits, o, do, lse, dlse_t, dq, target, psum_t,
                 *q.stride(), *k.stride(), *v.stride(), *idx.stride(), lists.bits.stride(0) if tiled else 0,
                 *o.stride(), *do.stride(), *lse.stride(), *dlse_t.stride(), *dq.stride(), *tstrides,
-                t0, count, S, L, Hkv, group, nhb, units, max(1, lists.tile_q), scale, scale * _LOG2E,
-                SCRATCH=deterministic, TILED=tiled, **common,
+                *psum_t.stride(), t0, count, S, L, Hkv, group, nhb, units, max(1, lists.tile_q), scale,
+                scale * _LOG2E, SCRATCH=deterministic, TILED=tiled, HAS_PSUM=fused_psum, **common,
             )  # fmt: skip
         if deterministic:
             _reduce_scratch(idx[:, t0 : t0 + count], target, acc, nhb, ncol)
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
-    return dq, dk, dv, psum is not None and gluon_dkv
+    return dq, dk, dv, psum is not None and (gluon_dkv or fused_psum)
 
 
 def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_dim, check_indices, check_same_device, check_tensor, resolve_backend
-from .head_probs import HeadProbs
+from .forward_op import sparse_attention_forward
+from .head_probs import HeadProbs, prob_sum_pass
 from .host import (
     HAS_TRITON,
     KeyLists,
     SparseAttentionConfig,
     resolve_config,
     sparse_attention_bwd,
-    sparse_attention_fwd,
     triton_unsupported_reason,
 )
 from .mla_query import absorbed_query
@@ -33,7 +33,7 @@ class _MLASparseAttentionFn(torch.autograd.Function):
     def forward(ctx, q_nope, q_rot, w_uk, kv, indices, value_dim, scale, deterministic, config, head_probs):
         attn_q = absorbed_query(q_nope, q_rot, w_uk)
         v = kv[..., :value_dim]
-        o, lse, lists = sparse_attention_fwd(attn_q, kv, v, indices, scale, config)
+        o, lse, lists = sparse_attention_forward(attn_q, kv, v, indices, scale, config)
         # query tiles walk key unions, not the index rows: the head sums then need the rows themselves
         rows = (indices,) if head_probs is not None and lists.tile_q else ()
         ctx.save_for_backward(q_nope, q_rot, w_uk, kv, lists.idx, lists.num, lists.bits, o, lse, *rows)
@@ -59,7 +59,7 @@ class _MLASparseAttentionFn(torch.autograd.Function):
         )
         if ctx.head_probs is not None:
             if not psum_done:  # the kernel that ran has no fused head sums: one pass of their own
-                psum = _attention_prob_sum(attn_q, kv, rows[0] if rows else idx, lse, ctx.scale, "triton")
+                psum = prob_sum_pass(attn_q, kv, rows[0] if rows else idx, lse, ctx.scale, "triton")
             ctx.head_probs.value = psum
         del attn_q
         if dv is not None:  # the kernel could not add v's gradient into k's columns itself
@@ -72,13 +72,6 @@ class _MLASparseAttentionFn(torch.autograd.Function):
             d_w_uk = torch.einsum("bshn,bshc->hnc", q_nope, dq_latent).to(w_uk.dtype)
         d_rot = dq_rot.to(q_rot.dtype) if ctx.needs_input_grad[1] else None
         return d_nope, d_rot, d_w_uk, dkv, None, None, None, None, None, None
-
-
-def _attention_prob_sum(attn_q, kv, indices, lse, scale: float, backend: str) -> torch.Tensor:
-    # imported here: indexer_kl builds on sparse_attn's reference (gather_keys)
-    from ..indexer_kl import attention_prob_sum
-
-    return attention_prob_sum(attn_q, kv, indices, lse, scale, backend=backend, check_range=False)
 
 
 def mla_sparse_attention(
@@ -149,7 +142,7 @@ def mla_sparse_attention(
     if chosen == "torch":
         o, lse, attn_q = mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim, scale)
         if head_probs is not None:
-            head_probs.value = _attention_prob_sum(attn_q.detach(), kv.detach(), indices, lse.detach(), scale, "torch")
+            head_probs.value = prob_sum_pass(attn_q, kv, indices, lse, scale, "torch")
         return o, lse, attn_q.detach()
     if unsupported is not None:
         raise ValueError(f"backend='triton' cannot take these inputs: {unsupported}")

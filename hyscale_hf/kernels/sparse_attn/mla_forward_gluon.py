@@ -1,6 +1,6 @@
 """MLA-absorbed sparse attention forward for Hopper (sm_90), in Gluon with warp specialisation.
 
-Host dispatch: ``host.sparse_attention_fwd`` (which shapes take this kernel, and the
+Host dispatch: ``host.forward_plan`` (which shapes take this kernel, and the
 Triton kernel for everything else). It gives the same results as the Triton forward: the same
 blocks of 64 keys in the same order, the same fp32 online softmax and bf16/fp16 P (on an H200 the
 outputs and log-sum-exps came out bitwise equal).

@@ -21,6 +21,8 @@ from ..checks import (
     check_tensor,
     resolve_backend,
 )
+from .forward_op import sparse_attention_forward
+from .head_probs import HeadProbs, check_sorted_rows, prob_sum_pass
 from .host import (
     HAS_TRITON,
     KeyLists,
@@ -28,7 +30,6 @@ from .host import (
     padded_head_dims,
     resolve_config,
     sparse_attention_bwd,
-    sparse_attention_fwd,
     triton_dtype_reason,
     v_grad_flows_into_k,
 )
@@ -39,32 +40,39 @@ from .naive import sparse_attention_reference
 
 class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic, config, unique):
-        o, lse, lists = sparse_attention_fwd(q, k, v, indices, scale, config, unique=unique)
-        ctx.save_for_backward(q, k, v, lists.idx, lists.num, lists.bits, o, lse)
+    def forward(ctx, q, k, v, indices, scale, merge_dv, deterministic, config, unique, head_probs):
+        o, lse, lists = sparse_attention_forward(q, k, v, indices, scale, config, unique=unique)
+        rows = (indices,) if head_probs is not None else ()  # the slots the head sums are placed on
+        ctx.save_for_backward(q, k, v, lists.idx, lists.num, lists.bits, o, lse, *rows)
         ctx.tile_q, ctx.scale, ctx.merge_dv, ctx.deterministic = lists.tile_q, scale, merge_dv, deterministic
-        ctx.config = config
+        ctx.config, ctx.head_probs = config, head_probs
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, idx, num, bits, o, lse = ctx.saved_tensors
+        q, k, v, idx, num, bits, o, lse, *rows = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         lists = KeyLists(idx, num, bits, ctx.tile_q)
-        dq, dk, dv, _ = sparse_attention_bwd(
-            q, k, v, lists, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic, ctx.config
+        psum = None
+        if ctx.head_probs is not None:
+            psum = torch.zeros(rows[0].shape, dtype=torch.float32, device=q.device)
+        dq, dk, dv, psum_done = sparse_attention_bwd(
+            q, k, v, lists, o, lse, do, dlse, ctx.scale, ctx.merge_dv, ctx.deterministic, ctx.config, psum=psum
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        if ctx.head_probs is not None:
+            ctx.head_probs.value = psum if psum_done else prob_sum_pass(q, k, rows[0], lse, ctx.scale, "triton")
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False, config=None, unique: bool = False):
+def triton_sparse_attention(q, k, v, indices, scale, deterministic: bool = False, config=None, unique: bool = False,
+                            head_probs: HeadProbs | None = None):
     """Differentiable Triton sparse attention: (o [B, S, Hq, Dv] in q's dtype, lse [B, S, Hq] fp32)."""
     merge_dv = v_grad_flows_into_k(k, v)
     return _SparseAttentionFn.apply(
         q, k, v, indices.contiguous(), float(scale), merge_dv, bool(deterministic), resolve_config(config),
-        bool(unique),
+        bool(unique), head_probs,
     )
 
 
@@ -86,6 +94,7 @@ def sparse_attention(
     config: SparseAttentionConfig | None = None,
     check_range: bool = True,
     unique_indices: bool = False,
+    head_probs: HeadProbs | None = None,
 ):
     """``o[b, i, h] = sum_{s in S_i} softmax_s(scale * q[b, i, h] . k[b, s, g(h)]) v[b, s, g(h)]``.
 
@@ -122,6 +131,12 @@ def sparse_attention(
         unique_indices: the caller guarantees that no query lists a key twice (``hytopk``'s
             selections, windows). The Triton path's GQA query tiles then skip their repeat check,
             another host sync per call; a repeated key would then count once, not twice.
+        head_probs: a ``HeadProbs`` to receive the head-summed probabilities ``[B, S, K]`` fp32 on each
+            query's index slots (the indexer KL's target, as ``indexer_kl.attention_prob_sum`` gives it):
+            filled in this call's backward on the Triton path (by the backward kernel itself unless it is
+            the deterministic one), in its forward on the torch path. Every row must list its keys in
+            ascending order, each once, with its -1 slots after them (``hytopk``'s rows; query tiles
+            place a key's sum by its rank): checked with the range unless ``check_range=False``.
 
     Returns:
         ``o`` ``[B, S, Hq, Dv]`` in q's dtype (and ``lse`` when asked); differentiable in q, k, v.
@@ -157,6 +172,11 @@ def sparse_attention(
         raise ValueError(f"v must have Dv >= 1 dims per head (shape {vdoc}), got shape {tuple(v.shape)}")
     check_same_device(q=q, k=k, v=v, indices=indices)
     check_indices(indices, B, S, T, check_range=check_range)
+    if head_probs is not None:
+        if not isinstance(head_probs, HeadProbs):
+            raise TypeError(f"head_probs must be a HeadProbs or None, got {type(head_probs).__name__}")
+        if check_range:
+            check_sorted_rows(indices)
     if not isinstance(unique_indices, bool):
         raise TypeError(f"unique_indices must be a bool, got {type(unique_indices).__name__}")
     if deterministic is not None and not isinstance(deterministic, bool):
@@ -181,15 +201,17 @@ def sparse_attention(
         dqk_p, dv_p = padded_head_dims(Dqk, Dv)
         if (dqk_p, dv_p) == (Dqk, Dv):
             o, lse = triton_sparse_attention(q, k, v, indices, scale, deterministic=deterministic, config=config,
-                                             unique=unique_indices)
+                                             unique=unique_indices, head_probs=head_probs)
         else:
             q_p, k_p, v_p = _pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p)
             o, lse = triton_sparse_attention(q_p, k_p, v_p, indices, scale, deterministic=deterministic, config=config,
-                                             unique=unique_indices)
+                                             unique=unique_indices, head_probs=head_probs)
             if dv_p != Dv:
                 o = o[..., :Dv].contiguous()  # a tensor of its own, like the unpadded path's
     elif masked_dense_fits(q, k, v, indices):  # short key ranges: matmuls over all keys beat per-query gathers
         o, lse = sparse_attention_masked_dense(q, k, v, indices, scale)
     else:
         o, lse = sparse_attention_reference(q, k, v, indices, scale)
+    if head_probs is not None and chosen != "triton":
+        head_probs.value = prob_sum_pass(q, k, indices, lse, scale, "torch")
     return (o, lse) if return_lse else o

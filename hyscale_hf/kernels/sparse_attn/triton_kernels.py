@@ -230,7 +230,7 @@ def sparse_attn_fwd_kernel(
 
 @triton.jit
 def sparse_attn_bwd_kernel(
-    Q, K, V, IDX, NUM, BITS, OUT, DO, LSE, DLSE, DQ, DKV,
+    Q, K, V, IDX, NUM, BITS, OUT, DO, LSE, DLSE, DQ, DKV, PSUM,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -241,11 +241,12 @@ def sparse_attn_bwd_kernel(
     stride_dlb, stride_dls, stride_dlh,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_ab, stride_at, stride_ah,
+    stride_pb, stride_ps, stride_pk,
     t_offset, chunk_len, num_queries, num_idx, num_kv_heads, group, num_head_blocks, num_tiles, tile_q,
     sm_scale, qk_scale,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, V_FROM_K: tl.constexpr,
     MERGE_DV: tl.constexpr, HAS_DLSE: tl.constexpr, SCRATCH: tl.constexpr, TILED: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_PSUM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """dQ of one program's rows and the dK/dV contributions of its (rows, key list) pairs.
 
@@ -255,6 +256,13 @@ def sparse_attn_bwd_kernel(
     ``(b * chunk_len + program_id(0)) * num_idx + j`` (head slot g * NHB + hb).
     Columns: ``[0, D1 + D2)`` dK, then ``[D1 + D2, D1 + D2 + DV)`` dV unless ``MERGE_DV`` adds
     dV into the first DV (= D1) columns.
+
+    ``HAS_PSUM``: also add each (query, index slot)'s head-summed P into PSUM [B, S, K] fp32 (the
+    indexer KL's target, ``HeadProbs``) with fp32 atomics. Per token a program sums its heads in
+    registers and adds at the list position (the programs of one query's KV heads meet there); a tile
+    adds each (query, head) row's P at the key's rank among the keys that query selected, the count of
+    its membership bits before it (the query's row must be sorted ascending, -1 after its keys:
+    ``hytopk``'s rows), so one query's heads and KV heads meet on its slots.
     """
     t_local = tl.program_id(0).to(tl.int64)
     pid0 = t_offset + t_local
@@ -285,6 +293,8 @@ def sparse_attn_bwd_kernel(
     dq1 = tl.zeros([BLOCK_H, D1], tl.float32)
     if D2 > 0:
         dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
+    psum_row = PSUM + b * stride_pb
+    seen = tl.zeros([BLOCK_H], tl.int32)  # tiles, HAS_PSUM: each row's selected keys before this block
     for start in range(0, count, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kid = tl.load(idx_row + offs_n * stride_ik, mask=offs_n < length, other=-1)
@@ -302,6 +312,16 @@ def sparse_attn_bwd_kernel(
             vt = tl.load(v_rows + offs_v[None, :] * stride_vd, mask=valid[:, None], other=0.0)
         live = _member(valid[None, :] & rmask[:, None], bits_rows, rmask, start, TILED, BLOCK_H, BLOCK_N)
         p = tl.where(live, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        if HAS_PSUM:
+            if TILED:  # one atomic add per (row, key): a per-query head sum first was slower (notes.md)
+                taken = live.to(tl.int32)
+                slot = seen[:, None] + tl.cumsum(taken, axis=1) - 1
+                seen += tl.sum(taken, axis=1)
+                dst_p = psum_row + row_t[:, None] * stride_ps + slot.to(tl.int64) * stride_pk
+                tl.atomic_add(dst_p, p, mask=live, sem="relaxed")
+            else:
+                tl.atomic_add(psum_row + pid0 * stride_ps + offs_n * stride_pk, tl.sum(p, axis=0), mask=valid,
+                              sem="relaxed")
         dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         ds_lp = ds.to(k1.dtype)

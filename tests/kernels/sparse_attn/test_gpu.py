@@ -114,6 +114,30 @@ def test_gqa_per_token_path_matches_fp32_reference(monkeypatch):
     check_against_reference(4096, 32, 8, 128, 128, mla=False, chunk=128)
 
 
+@pytest.mark.parametrize("tile_rows", [128, 0], ids=["tiles", "per_token"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (32, 8, 128)], ids=["smollm2", "gqa32x8"])
+def test_gqa_backward_fills_the_head_sums(monkeypatch, tile_rows, Hq, Hkv, D):
+    """The fused head sums of the GQA backward (``HeadProbs``) against the pass of their own
+    (``attention_prob_sum``) on the same lse; the fallback pass must not run."""
+    from hyscale_hf.kernels.indexer_kl import attention_prob_sum
+    from hyscale_hf.kernels.sparse_attn import HeadProbs, op
+
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(tile_rows=tile_rows))
+    monkeypatch.setattr(op, "prob_sum_pass", None)  # calling it would fail
+    T = 4096
+    q, k, v, do, dlse = make_inputs(T, Hq, Hkv, D, D, mla=False)
+    idx = selection(T)
+    slot = HeadProbs()
+    o, lse = sparse_attention(q, k, v, idx, return_lse=True, backend="triton", head_probs=slot, deterministic=False)
+    loss_of(o, lse, do, dlse).backward()
+    got = slot.take()
+    want = attention_prob_sum(q.detach(), k.detach(), idx, lse.detach(), D**-0.5, backend="triton")
+    assert rel_err(got, want) < 1e-3
+    assert got[0, 5].abs().max().item() == 0 and bool((got[idx < 0] == 0).all())
+    sums = got.sum(-1)[0]  # each query's heads each sum to 1 over its keys
+    assert (sums[idx[0].ge(0).any(-1)] - Hq).abs().max().item() < 1e-2 * Hq
+
+
 @pytest.mark.parametrize("mla", [True, False], ids=["mla", "gqa"])
 def test_deterministic_backward_is_bitwise_reproducible(mla):
     shape = (4096, 64, 1, 576, 512) if mla else (4096, 32, 8, 128, 128)
