@@ -15,12 +15,18 @@ dimensions (30 layers), the converted-dense-model case. Arms, each on the same t
   tiled_offload ... and offload_activations=True: checkpointed layer inputs in pinned host memory
                 (neither run unless named in --arms)
 
+``--model DIR`` replaces the random-init smollm2 stack with a converted dense model the main job
+saved (``finetune_long.py --output_dir DIR``) and the random tokens with real text (the standard
+library's sources): the patched arms train it with its trained indexer, ``dense`` without it, so the
+sparse kernels run on the selections a trained indexer makes.
+
 For each arm and T: median step time, tokens/s, peak memory, or "OOM". Then the longest context each
 arm trains at (doubling T from the largest length that fit until a step runs out of memory or takes
 longer than --step-cap-s). Writes JSON and a PNG plot.
 
     python scripts/bench_e2e.py --out results/            # GPU: T = 16K..128K, then the search
     python scripts/bench_e2e.py --stack smollm2 --arms hyscale dense --seqlens 32768 131072 --search-arms
+    python scripts/bench_e2e.py --model /tmp/realmodel --arms hyscale dense --seqlens 32768 131072
     python scripts/bench_e2e.py --tiny --out /tmp/e2e     # CPU smoke run at toy size
 """
 
@@ -41,6 +47,7 @@ import torch  # noqa: E402
 
 from hyscale_hf.benchmarking.memory import free, host_pinned_gib, is_oom, oom_message
 from hyscale_hf.benchmarking.stacks import ARMS, STACKS, TILE_TOKENS, make_arm, step_loss, time_ms
+from hyscale_hf.benchmarking.trained import check_saved, saved_dims, text_ids
 
 DEFAULT_ARMS = ARMS[:4]
 
@@ -50,8 +57,17 @@ def oom_row(T: int, err: BaseException) -> dict:
     return {"T": T, "oom": True, "error": oom_message(err), "host_pinned_peak_gib": host_pinned_gib()}
 
 
-def measure(model, optimizer, T: int, vocab: int, device, warmup: int, reps: int, loss_chunk: int = 0) -> dict:
-    ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+def step_ids(T: int, vocab: int, tokenizer=None) -> torch.Tensor:
+    """A step's ``[1, T]`` token ids: random (seeded by T), or with the saved model's ``tokenizer``
+    real text (the first T tokens of the standard library's sources)."""
+    if tokenizer is not None:
+        return text_ids(tokenizer, T)
+    return torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T))
+
+
+def measure(model, optimizer, ids: torch.Tensor, device, warmup: int, reps: int, loss_chunk: int = 0) -> dict:
+    T = ids.shape[1]
+    ids = ids.to(device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -75,11 +91,12 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
     """Timed lengths, then the doubling search for the longest trainable context."""
     rows, longest = [], None
     model, optimizer = make_arm(args.stack, arm, dims, args.layers, max(args.search_max, max(args.seqlens)), device,
-                                dtype, tile_tokens=args.tile_tokens)
+                                dtype, tile_tokens=args.tile_tokens, saved=args.model)
     try:
         for T in args.seqlens:
             try:
-                row = measure(model, optimizer, T, dims["vocab_size"], device, args.warmup, args.reps, args.loss_chunk)
+                row = measure(model, optimizer, step_ids(T, dims["vocab_size"], args.tokenizer), device, args.warmup,
+                              args.reps, args.loss_chunk)
                 longest = T
             except Exception as err:  # noqa: BLE001 - only OOM is expected; others re-raised
                 if not is_oom(err):
@@ -101,7 +118,8 @@ def run_arm(arm: str, args, dims, device, dtype) -> dict:
                 T *= 2
             while T <= args.search_max:
                 try:
-                    r = measure(model, optimizer, T, dims["vocab_size"], device, 0, 1, args.loss_chunk)
+                    r = measure(model, optimizer, step_ids(T, dims["vocab_size"], args.tokenizer), device, 0, 1,
+                                args.loss_chunk)
                     search.append(r)
                     longest = T
                     print(f"{arm:>10} search T={T}: ok, {r['step_ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB, "
@@ -179,7 +197,8 @@ def plot(result: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend()
-    fig.suptitle(f"{STACKS[result['stack']]['label']} training step ({result['layers']} layers, {result['device']})")
+    label = result.get("model") or STACKS[result["stack"]]["label"]
+    fig.suptitle(f"{label} training step ({result['layers']} layers, {result['device']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -188,7 +207,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/bench_e2e", help="folder for bench_e2e.json and bench_e2e.png")
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
-    p.add_argument("--stack", choices=sorted(STACKS), default="glm5", help="model stack (default: glm5)")
+    p.add_argument("--stack", choices=sorted(STACKS), default=None,
+                   help="model stack (default: glm5; smollm2 with --model)")
+    p.add_argument("--model", default=None,
+                   help="a converted dense model saved by finetune_long.py (its --output_dir), trained instead of the "
+                        "random-init smollm2 stack, on real text: the patched arms with its trained indexer, dense "
+                        "without it")
     p.add_argument("--arms", nargs="+", default=None, choices=ARMS,
                    help="default: hyscale native dense replay_off (glm5), hyscale dense replay_off (smollm2)")
     p.add_argument("--seqlens", nargs="+", type=int, default=None)
@@ -204,6 +228,14 @@ def main(argv=None) -> dict:
     p.add_argument("--search-arms", nargs="*", default=None, choices=ARMS,
                    help="arms that run the longest-context search (none: skip it)")
     args = p.parse_args(argv)
+    if args.model is not None:
+        if reason := check_saved(args.model):
+            p.error(f"--model {args.model}: {reason}")
+        if args.stack not in (None, "smollm2"):
+            p.error(f"--model runs a saved converted dense model as the smollm2 stack, not --stack {args.stack}")
+        if args.tiny or args.layers:
+            p.error("--model: the saved model sets the dims and layers (drop --tiny / --layers)")
+    args.stack = args.stack or ("smollm2" if args.model else "glm5")
     stack = STACKS[args.stack]
     default_arms = [a for a in DEFAULT_ARMS if not (args.stack == "smollm2" and a == "native")]
     args.arms = args.arms or default_arms
@@ -214,6 +246,9 @@ def main(argv=None) -> dict:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     dims = stack["tiny"] if args.tiny else stack["dims"]
+    args.tokenizer = None
+    if args.model is not None:
+        dims, args.layers, args.tokenizer = saved_dims(args.model, stack["dims"])
     args.seqlens = args.seqlens or ([32, 64] if args.tiny else [16384, 32768, 65536, 131072])
     args.search_max = args.search_max or (256 if args.tiny else 1 << 20)
     args.tile_tokens = args.tile_tokens or (16 if args.tiny else TILE_TOKENS)
@@ -226,6 +261,7 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
         "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "model": args.model, "text": "stdlib sources" if args.model else "random tokens",
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
         "loss_chunk": args.loss_chunk, "tile_tokens": args.tile_tokens, "arms": [],
     }

@@ -27,9 +27,9 @@ import platform
 import time
 
 import torch
-import torch.nn.functional as F
 
 from hyscale_hf import sparse_attention
+from hyscale_hf.benchmarking.attention import DENSE_GQA, dense_sdpa
 from hyscale_hf.benchmarking.inputs import realistic_selection
 from hyscale_hf.benchmarking.timing import timed
 from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig, host
@@ -51,25 +51,6 @@ def fwd_bwd(fn, inputs, grad_out):
         fn().backward(grad_out)
 
     return run
-
-
-def dense_sdpa(q, k, v):
-    """Causal SDPA on [B, T, H, D] inputs through the flash backend (GQA via enable_gqa)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        if DENSE_GQA["native"]:
-            try:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-            except RuntimeError as e:  # flash without GQA support in this torch: repeat the KV heads
-                DENSE_GQA.update(native=False, note=str(e)[:200])
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-
-
-DENSE_GQA = dict(native=True)
 
 
 def bench_gqa(T, K, idx, args, dense=True):

@@ -8,7 +8,8 @@ random init, random tokens, as ``bench_e2e.py`` times it) and, for comparison,
 - ``union / pairs``: distinct keys of a tile of G consecutive queries over their selected pairs
   (1/G: all share; 1: none does);
 - ``shared``: the share of pairs whose key at least G/2 of the tile's queries selected;
-and per selection the share of pairs in each query's last 1024 positions. Writes JSON.
+and per selection the share of pairs in each query's last 1024 positions (``hyscale_hf.benchmarking.
+selections``; ``bench_trained_selections.py`` measures a trained indexer's selections). Writes JSON.
 
     python scripts/probe_selection_sharing.py --T 131072 --out results/sharing.json
 """
@@ -20,49 +21,10 @@ import json
 import os
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyscale_hf.benchmarking import stacks
 from hyscale_hf.benchmarking.inputs import realistic_selection
-from hyscale_hf.kernels.topk import hytopk_op
-
-
-class _Capture(TorchDispatchMode):
-    """Keeps the indices of every HyTopK call."""
-
-    def __init__(self):
-        super().__init__()
-        self.indices = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is hytopk_op._opoverload:
-            self.indices.append(out[0].detach().clone())
-        return out
-
-
-def sharing(idx: torch.Tensor, tiles=(2, 4, 16, 64)) -> dict:
-    """Statistics of one [S, K] selection (-1 = empty slot)."""
-    S, K = idx.shape
-    pos = torch.arange(S, device=idx.device)[:, None]
-    valid = idx >= 0
-    pairs = int(valid.sum())
-    out = {"pairs": pairs, "in_last_1024": float(((pos - idx < 1024) & valid).sum()) / pairs}
-    for g in tiles:
-        n = S // g
-        t = idx[: n * g].reshape(n, g * K).to(torch.int64)
-        t = torch.where(t >= 0, t, -1).sort(-1).values
-        new = torch.ones_like(t, dtype=torch.bool)
-        new[:, 1:] = t[:, 1:] != t[:, :-1]
-        union = int((new & (t >= 0)).sum())
-        # run lengths of equal keys: a pair is shared if its key's run in the tile is >= g / 2
-        starts = new.flatten().nonzero().squeeze(1)
-        lengths = torch.diff(torch.cat([starts, torch.tensor([t.numel()], device=t.device)]))
-        keys = t.flatten()[starts]
-        shared = int(lengths[(lengths >= max(2, g // 2)) & (keys >= 0)].sum())
-        tile_pairs = int((t >= 0).sum())
-        out[f"G={g}"] = {"union_over_pairs": union / tile_pairs, "shared": shared / tile_pairs}
-    return out
+from hyscale_hf.benchmarking.selections import SelectionCapture, sharing
 
 
 def step_selections(T: int) -> list[torch.Tensor]:
@@ -71,7 +33,7 @@ def step_selections(T: int) -> list[torch.Tensor]:
     dims = stacks.STACKS["glm5"]["dims"]
     model, _ = stacks.make_arm("glm5", "hyscale", dims, 2, T, device, torch.bfloat16)
     ids = torch.randint(3, dims["vocab_size"], (1, T), generator=torch.Generator().manual_seed(T)).to(device)
-    cap = _Capture()
+    cap = SelectionCapture()
     with torch.no_grad(), cap:
         model.model(input_ids=ids)
     del model

@@ -89,18 +89,29 @@ def build_llama(dims: dict, layers: int, max_t: int, device, dtype, *, attn_impl
 
 
 def make_arm(stack: str, arm: str, dims: dict, layers: int, max_t: int, device, dtype, *,
-             tile_tokens: int = TILE_TOKENS, **patch_options):
+             tile_tokens: int = TILE_TOKENS, saved: str | None = None, **patch_options):
     """``(model, AdamW)`` of one arm of ``stack`` ("glm5" or "smollm2"), with non-reentrant gradient
     checkpointing on every layer. ``native`` exists for the DSA stack only. ``patch_options`` go to
-    ``patch_model`` in the patched arms (e.g. ``lm_loss_chunk``)."""
+    ``patch_model`` in the patched arms (e.g. ``lm_loss_chunk``). ``saved`` (smollm2 only): the
+    folder of a converted dense model the main job saved, loaded instead of a random-init Llama
+    (``trained.load_saved``: the patched arms get its trained indexer, ``dense`` is the model
+    without it; ``dims`` and ``layers`` are then the saved model's own)."""
     import hyscale_hf
 
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+    if saved is not None and stack != "smollm2":
+        raise ValueError(f"saved: a converted dense model runs as the smollm2 stack, not {stack!r}")
     if stack == "smollm2":
         if arm == "native":
             raise ValueError("arm 'native' is the unpatched DSA model; the smollm2 stack is dense: use 'dense'")
-        model = build_llama(dims, layers, max_t, device, dtype)
+        if saved is not None:
+            from .trained import load_saved
+
+            model = load_saved(saved, device, dtype, patch=False)[0].train()
+            model.config.use_cache = False
+        else:
+            model = build_llama(dims, layers, max_t, device, dtype)
     elif arm == "dense":
         model = build_model(dims, layers, max_t, device, dtype, model_type="deepseek_v3", attn_implementation="sdpa")
     else:

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import hyscale_hf
+from tests.support.saved_model import save_tiny_converted
 from tests.support.scripts import load_script
 
 
@@ -37,3 +38,22 @@ def test_bench_e2e_tiny_smollm2_stack(tmp_path):
     assert set(result["ratios_vs_hyscale"]["dense"]) == {"32"}
     with pytest.raises(SystemExit):  # the dense stack has no unpatched DSA arm
         bench.main(["--tiny", "--stack", "smollm2", "--arms", "native", "--out", str(tmp_path)])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_e2e_on_a_saved_converted_model(tmp_path):
+    """--model: the saved model (its dims and layers) on real text, patched and dense, in the same run."""
+    folder = tmp_path / "saved"
+    save_tiny_converted(folder)
+    bench = load_script("bench_e2e")
+    result = bench.main(["--model", str(folder), "--arms", "hyscale", "dense", "--seqlens", "32", "--reps", "1",
+                         "--warmup", "0", "--search-arms", "--out", str(tmp_path)])
+    assert result["stack"] == "smollm2" and result["model"] == str(folder) and result["text"] == "stdlib sources"
+    assert result["layers"] == 2 and result["dims"]["hidden_size"] == 32
+    assert [a["arm"] for a in result["arms"]] == ["hyscale", "dense"]
+    assert all(a["rows"][0]["step_ms"] > 0 for a in result["arms"])
+    for argv in (["--stack", "glm5"], ["--tiny"], ["--layers", "3"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--model", str(folder), *argv, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tmp_path), "--out", str(tmp_path)])  # no hyscale_config.json there
