@@ -4,13 +4,16 @@
 #   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
-# SATTN_ARGS, LM_LOSS_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S
-# (seconds). Stages e2e_smollm2, long, memory, profile and cp are not in the default set (name them). The cp stage needs
+# SATTN_ARGS, LM_LOSS_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
+# (seconds). Stages e2e_smollm2, long, memory, profile, cp, realmodel, selections, e2e_trained and profile_trained are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
 # and the GGUF file at /tmp/smollm2.gguf or in .gguf_parts/ (split -b 50000000, one part per call, each
-# call moving its part out of the tree: README, "The real model").
+# call moving its part out of the tree: README, "The real model"). The selections stage times the sparse
+# attention on that run's trained indexer (/tmp/realmodel), e2e_trained and profile_trained its whole step: name them
+# after realmodel, in the same call (`bash scripts/gpu_check.sh realmodel selections`) or the next one
+# while the machine is warm.
 # Results go to $OUT (or outputs/gpu_check): one log per stage, JSON + PNG per benchmark, and
 # results.tgz with everything; a summary table is printed last.
 # On the lent GPU machine only a handful of files come back from $OUT: run with OUT=/tmp/gc and
@@ -102,6 +105,15 @@ for s in $stages; do
       cp /tmp/realmodel/results.json "$RES/finetune_smollm2_gpu.json" 2>/dev/null
       cp /tmp/realmodel/loss_curve.png "$RES/finetune_smollm2_gpu.png" 2>/dev/null
       for f in /tmp/realmodel/evaluation_*.json; do cp "$f" "$RES/smollm2_gpu_$(basename "$f")" 2>/dev/null; done ;;
+    selections)  # the realmodel stage's trained indexer (/tmp/realmodel, same machine): its selections on real text
+      stage bench_trained_selections "${SELECTIONS_S:-300}" python3 scripts/bench_trained_selections.py \
+        --model /tmp/realmodel --seqlens 32768 131072 --out "$RES/selections" ${SELECTIONS_ARGS:-} ;;
+    e2e_trained)  # the same trained model's whole step on real text, dense against hyscale (after realmodel)
+      stage bench_e2e_trained "${E2E_S:-560}" python3 scripts/bench_e2e.py --model /tmp/realmodel --arms hyscale dense \
+        --seqlens 32768 131072 --reps 2 --search-arms --out "$RES/trained" ${E2E_SMOLLM2_ARGS:-} ;;
+    profile_trained)  # where that step's kernel time goes (after realmodel)
+      stage profile_trained "${PROFILE_S:-300}" python3 scripts/profile_step.py --model /tmp/realmodel \
+        --seqlens 32768 131072 --out "$RES/profile_trained" ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done

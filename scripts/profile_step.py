@@ -14,6 +14,11 @@ so its wall time is then not comparable.
     python scripts/profile_step.py --stack smollm2 --arm dense --seqlens 32768  # the dense baseline
     python scripts/profile_step.py --tiny --out /tmp/profile                    # CPU smoke run (aten ops)
     python scripts/profile_step.py --seqlens 65536 --sites 25                   # where the glue comes from
+    python scripts/profile_step.py --model /tmp/realmodel --seqlens 131072      # a saved converted model, real text
+
+``--model DIR`` profiles a converted dense model the main job saved (``finetune_long.py --output_dir``)
+instead of the random-init smollm2 stack, on real text (as ``bench_e2e.py --model``): the hyscale arm
+with its trained indexer, so the sparse kernels run on the selections a trained indexer makes.
 
 On a CPU there are no kernels: the table then sums the aten ops' own CPU time, by the same categories
 (the torch paths there, e.g. the CPU flash kernel that sparse attention runs on, fall in other rows).
@@ -30,6 +35,7 @@ import time
 import torch
 
 from hyscale_hf.benchmarking.stacks import ARMS, STACKS, make_arm, step_loss, sync
+from hyscale_hf.benchmarking.trained import check_saved, saved_dims, text_ids
 
 # First match wins. Kernel names of this package's Triton kernels, cuBLAS / CUTLASS matmuls, flash /
 # cuDNN attention, and the aten ops a CPU profile lists.
@@ -112,8 +118,11 @@ def glue_sites(prof, on_gpu: bool, n: int) -> list[dict]:
 def profile_one(args, T: int, device, dtype, dims) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    model, optimizer = make_arm(args.stack, args.arm, dims, args.layers, T, device, dtype)
-    ids = torch.randint(3, dims["vocab_size"], (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+    model, optimizer = make_arm(args.stack, args.arm, dims, args.layers, T, device, dtype, saved=args.model)
+    if args.tokenizer is not None:
+        ids = text_ids(args.tokenizer, T).to(device)
+    else:
+        ids = torch.randint(3, dims["vocab_size"], (1, T), generator=torch.Generator().manual_seed(T)).to(device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -170,7 +179,10 @@ def report(row: dict, unit: str) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stack", choices=sorted(STACKS), default="glm5")
+    p.add_argument("--stack", choices=sorted(STACKS), default=None, help="model stack (default: glm5; smollm2 with --model)")
+    p.add_argument("--model", default=None,
+                   help="a converted dense model saved by finetune_long.py (its --output_dir), profiled on real text "
+                        "instead of the random-init smollm2 stack")
     p.add_argument("--arm", choices=ARMS, default="hyscale")
     p.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: 65536 131072 (GPU), 32 (--tiny)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the stack's, as in bench_e2e)")
@@ -182,6 +194,13 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
     p.add_argument("--out", default="outputs/profile_step", help="folder for profile_step.json")
     args = p.parse_args(argv)
+    if args.model is not None:
+        if reason := check_saved(args.model):
+            p.error(f"--model {args.model}: {reason}")
+        if args.stack not in (None, "smollm2") or args.tiny or args.layers:
+            p.error("--model: the saved model is the smollm2 stack with its own dims and layers "
+                    "(drop --stack / --tiny / --layers)")
+    args.stack = args.stack or ("smollm2" if args.model else "glm5")
     if args.stack == "smollm2" and args.arm == "native":
         p.error("--arm native: the smollm2 stack is a dense model (its unpatched arm is 'dense')")
     if args.top < 1 or args.sites < 0 or args.loss_chunk < 0 or any(T < 2 for T in args.seqlens or [2]):
@@ -191,9 +210,12 @@ def main(argv=None) -> dict:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     dims = stack["tiny"] if args.tiny else stack["dims"]
+    args.tokenizer = None
+    if args.model is not None:
+        dims, args.layers, args.tokenizer = saved_dims(args.model, stack["dims"])
     args.seqlens = args.seqlens or ([32] if args.tiny else [65536, 131072])
     unit = "GPU kernel time" if device.type == "cuda" else "aten op CPU time"
-    result = {"stack": args.stack, "arm": args.arm, "layers": args.layers,
+    result = {"stack": args.stack, "model": args.model, "arm": args.arm, "layers": args.layers,
               "loss_chunk": args.loss_chunk, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype), "unit": unit, "rows": []}
     os.makedirs(args.out, exist_ok=True)

@@ -74,3 +74,20 @@ def test_profile_step_rejects_bad_arguments(tmp_path):
         _script().main(["--tiny", "--sites", "-1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         _script().main(["--tiny", "--loss-chunk", "-1", "--out", str(tmp_path)])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_profile_step_on_a_saved_converted_model(tmp_path):
+    """--model: the saved model (its dims and layers) on real text; conflicting options are refused."""
+    from tests.support.saved_model import save_tiny_converted
+
+    folder = tmp_path / "saved"
+    save_tiny_converted(folder)
+    result = _script().main(["--model", str(folder), "--seqlens", "32", "--top", "3", "--out", str(tmp_path)])
+    assert result["stack"] == "smollm2" and result["model"] == str(folder) and result["layers"] == 2
+    assert "HyTopK" in {c["category"] for c in result["rows"][0]["categories"]}
+    for argv in (["--stack", "glm5"], ["--tiny"], ["--layers", "3"]):
+        with pytest.raises(SystemExit):
+            _script().main(["--model", str(folder), *argv, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        _script().main(["--model", str(tmp_path), "--out", str(tmp_path)])  # no hyscale_config.json there
