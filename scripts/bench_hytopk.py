@@ -11,6 +11,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
 
     python scripts/bench_hytopk.py --out results/ [--lengths 8192 32768 131072] [--million]
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072   # a small indexer's tiles
+    python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072 --sweep-refine   # refine schedules
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -22,6 +23,7 @@ Run from the repository root with the package installed (``pip install -e .``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +34,7 @@ import triton
 
 from hyscale_hf.benchmarking.timing import cuda_median_ms
 from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
-from hyscale_hf.kernels.topk.host import padded_heads
+from hyscale_hf.kernels.topk.host import padded_heads, pick_config
 
 H, D, TOPK = 32, 128, 2048
 GiB = 2**30
@@ -227,6 +229,13 @@ def sweep(T, tflops, reps, configs):
     return sorted(results, key=lambda r: r[0])
 
 
+def refine_configs():
+    """The default tiles under other refine schedules (HyTopKConfig.early_refine, refine_slack)."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    return [(dataclasses.replace(base, early_refine=early, refine_slack=slack), None)
+            for early in (False, True) for slack in (0.5, 0.25, 0.1, 0.0)]
+
+
 def sweep_configs():
     cfg = HyTopKConfig
     hp = padded_heads(H)
@@ -285,6 +294,8 @@ def main():
     p.add_argument("--dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="time tile configs at these T instead")
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
+    p.add_argument("--sweep-refine", action="store_true",
+                   help="the sweep times the default tiles under other refine schedules instead of other tiles")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     global H, D
@@ -292,10 +303,11 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
-        ranked = sweep(a.sweep[0], tflops, a.reps, sweep_configs())
+        configs = refine_configs() if a.sweep_refine else sweep_configs()
+        ranked = sweep(a.sweep[0], tflops, a.reps, configs)
         for T in a.sweep[1:]:
             torch.cuda.empty_cache()
-            sweep(T, tflops, 2, [(c, cap) for _, c, cap in ranked[:3]])
+            sweep(T, tflops, 2, configs if a.sweep_refine else [(c, cap) for _, c, cap in ranked[:3]])
         if not a.lengths_after_sweep:
             return
         a.lengths = a.lengths_after_sweep

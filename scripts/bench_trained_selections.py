@@ -22,7 +22,7 @@ Per T in ``--seqlens``:
    (what the sparse stage runs: the indexer KL's target from the backward), for each layer in
    ``--layers`` and both baselines; dense causal SDPA (flash on CUDA) forward + backward at the
    same shape; HyTopK on the captured inputs of each layer in ``--layers`` and of the stack's
-   first layer.
+   first layer (on a GPU also under other refine schedules: ``REFINE_SCHEDULES``).
 
 Times are wall-clock medians (the device synchronised around each call) after one warm-up call.
 Writes ``bench_trained_selections.json`` and a PNG to ``--out``.
@@ -33,6 +33,7 @@ Writes ``bench_trained_selections.json`` and a PNG to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -48,6 +49,8 @@ from hyscale_hf.benchmarking.inputs import realistic_selection
 from hyscale_hf.benchmarking.selections import SelectionCapture, sharing
 from hyscale_hf.benchmarking.trained import check_saved, load_saved, text_ids
 from hyscale_hf.kernels.sparse_attn import HeadProbs, SparseAttentionConfig, host
+from hyscale_hf.kernels.topk import hytopk_triton
+from hyscale_hf.kernels.topk.host import pick_config
 
 TILES = (2, 4, 16, 64)
 
@@ -125,6 +128,24 @@ def time_hytopk(inputs: tuple, device, reps: int) -> float:
     return median_ms(lambda: op(*args, **kwargs), device, reps)
 
 
+# Refine schedules of the Triton HyTopK timed on the captured inputs (GPU): (early_refine, refine_slack)
+REFINE_SCHEDULES = ((False, 0.5), (True, 0.5), (False, 0.1), (True, 0.1))
+
+
+def time_refine_schedules(inputs: tuple, device, reps: int) -> dict:
+    """HyTopK (Triton, the default tiles) on a layer's captured inputs under each of REFINE_SCHEDULES:
+    ``{"early=<bool> slack=<share>": ms}``. The op's arguments: q, k, w, topk, cu_seqlens, window_start, relu."""
+    (q, k, w, topk, cu_seqlens, window_start, relu, *_), _ = inputs
+    base = pick_config(q.shape[2], q.shape[3], q.dtype, q.device)
+    out = {}
+    for early, slack in REFINE_SCHEDULES:
+        cfg = dataclasses.replace(base, early_refine=early, refine_slack=slack)
+        run = lambda cfg=cfg: hytopk_triton(q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start,  # noqa: E731
+                                            relu=relu, return_scores=False, config=cfg)
+        out[f"early={early} slack={slack}"] = median_ms(run, device, reps)
+    return out
+
+
 def synthetic_layout(K: int) -> dict:
     """Sinks and local window of the synthetic baseline: bench_sparse_attention's 4 sinks and 1024
     window at K = 2048 (1020 far tokens); for small K (tests) fewer, so that far tokens remain."""
@@ -172,6 +193,8 @@ def bench_length(model, tokenizer, T: int, args, device, dtype) -> dict:
             row |= time_attention(idx, shape, device, dtype, args.reps)
             if hytopk_inputs is not None:
                 row["hytopk_ms"] = time_hytopk(hytopk_inputs, device, args.reps)
+                if device.type == "cuda":
+                    row["hytopk_refine_schedules_ms"] = time_refine_schedules(hytopk_inputs, device, args.reps)
             line += (f"  fwd {row['fwd_ms']:.2f} fwd+bwd {row['fwd_bwd_ms']:.2f} with head sums "
                      f"{row['fwd_bwd_head_probs_ms']:.2f} ms  HyTopK {row.get('hytopk_ms', float('nan')):.2f} ms")
         print(line, flush=True)

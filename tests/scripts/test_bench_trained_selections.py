@@ -4,6 +4,7 @@ run on the main job's saved SmolLM2 uses the same code), and rejects bad argumen
 import json
 
 import pytest
+import torch
 
 from tests.support.saved_model import save_tiny_converted
 from tests.support.scripts import load_script
@@ -76,3 +77,14 @@ def test_a_folder_without_the_saved_config_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", str(tmp_path)])
     assert "no hyscale_config.json" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_refine_schedules_time_the_captured_inputs(saved):
+    """The GPU-only timing of HyTopK's refine schedules, run here on the CPU (the Triton interpreter)."""
+    bench = load_script("bench_trained_selections")
+    model, tokenizer = bench.load_saved(str(saved), "cpu", torch.float32)
+    cap = bench.capture(model.eval(), bench.text_ids(tokenizer, 24), (0,))
+    times = bench.time_refine_schedules(cap.inputs[0], torch.device("cpu"), 1)
+    assert set(times) == {f"early={e} slack={s}" for e, s in bench.REFINE_SCHEDULES}
+    assert all(ms > 0 for ms in times.values())

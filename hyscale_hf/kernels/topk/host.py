@@ -97,6 +97,13 @@ class HyTopKConfig:
     # many key tiles in its ring (H200, T = 128K: 4 stages 151.1 ms, 3 stages 154.5 ms).
     gluon_scan: bool = True
     gluon_stages: int = 4
+    # How many keys above K a refine keeps, as a share of the room a scan segment leaves in the buffer
+    # (``(SC - SEG) * BN - K``). A large share stops the radix select after fewer levels but leaves a
+    # lower threshold, so the scan appends (and later refines and the final selection read) more keys.
+    refine_slack: float = 0.5
+    # One refine right after the first scan launch, down to K + K / 8 keys, for rows already holding
+    # more than K: the threshold then rises while the buffer is small instead of after it first fills.
+    early_refine: bool = False
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -106,6 +113,8 @@ class HyTopKConfig:
             raise ValueError(f"HyTopKConfig.lanes must be >= 1, got {self.lanes}")
         if self.gluon_stages < 1:
             raise ValueError(f"HyTopKConfig.gluon_stages must be >= 1, got {self.gluon_stages}")
+        if not 0.0 <= self.refine_slack <= 1.0:
+            raise ValueError(f"HyTopKConfig.refine_slack must be in [0, 1], got {self.refine_slack}")
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -298,7 +307,11 @@ def hytopk_triton(
     k_slots = triton.cdiv(K, BN)
     SC = max(triton.cdiv(cap, BN), k_slots + 2)
     seg = max(1, (SC - k_slots) // 3)
-    slack = max(0, ((SC - seg) * BN - K) // 2)
+    slack = max(0, int(((SC - seg) * BN - K) * cfg.refine_slack))
+    # The early refine keeps <= K + K / 8 keys, <= seg per slot, so the slots stay no fuller than the
+    # tiles scanned so far, which is what the later refines' schedule below assumes.
+    early_slack = min(K // 8, seg * BN - K)
+    early = cfg.early_refine and early_slack >= 0
     OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
     dev = q.device
     # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
@@ -372,9 +385,14 @@ def hytopk_triton(
             for seg0 in range(0, n_tiles, seg):
                 # A slot gains at most one key per tile, so none can be fuller than SC - seg before
                 # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
+                refine_at = None  # (slack, refine rows with a slot fuller than this)
                 if not score_only and seg0 > SC - seg:
+                    refine_at = (slack, SC - seg)
+                elif not score_only and early and seg0 == seg:  # rows holding more than K keys
+                    refine_at = (early_slack, k_slots)
+                if refine_at is not None:
                     _kernels.hytopk_refine_kernel[(rc, B)](
-                        buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                        buf, cnt, th, refine, rc, K, *refine_at, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
                         ASM_STORE=not interp, **small,
                     )  # fmt: skip
                 if use_gluon:
