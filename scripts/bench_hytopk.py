@@ -11,7 +11,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
 
     python scripts/bench_hytopk.py --out results/ [--lengths 8192 32768 131072] [--million]
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072   # a small indexer's tiles
-    python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072 --sweep-refine   # refine schedules
+    python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072 --sweep-refine   # refine slacks
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -230,10 +230,9 @@ def sweep(T, tflops, reps, configs):
 
 
 def refine_configs():
-    """The default tiles under other refine schedules (HyTopKConfig.early_refine, refine_slack)."""
+    """The default tiles with other refine slacks (``HyTopKConfig.refine_slack``)."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-    return [(dataclasses.replace(base, early_refine=early, refine_slack=slack), None)
-            for early in (False, True) for slack in (0.5, 0.25, 0.1, 0.0)]
+    return [(dataclasses.replace(base, refine_slack=slack), None) for slack in (0.5, 0.25, 0.1, 0.0)]
 
 
 def sweep_configs():
@@ -295,7 +294,7 @@ def main():
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="time tile configs at these T instead")
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
     p.add_argument("--sweep-refine", action="store_true",
-                   help="the sweep times the default tiles under other refine schedules instead of other tiles")
+                   help="the sweep times the default tiles with other refine slacks instead of other tiles")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     global H, D

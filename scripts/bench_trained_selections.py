@@ -22,7 +22,7 @@ Per T in ``--seqlens``:
    (what the sparse stage runs: the indexer KL's target from the backward), for each layer in
    ``--layers`` and both baselines; dense causal SDPA (flash on CUDA) forward + backward at the
    same shape; HyTopK on the captured inputs of each layer in ``--layers`` and of the stack's
-   first layer (on a GPU also under other refine schedules: ``REFINE_SCHEDULES``).
+   first layer (on a GPU also with other refine slacks: ``REFINE_SLACKS``).
 
 Times are wall-clock medians (the device synchronised around each call) after one warm-up call.
 Writes ``bench_trained_selections.json`` and a PNG to ``--out``.
@@ -128,21 +128,21 @@ def time_hytopk(inputs: tuple, device, reps: int) -> float:
     return median_ms(lambda: op(*args, **kwargs), device, reps)
 
 
-# Refine schedules of the Triton HyTopK timed on the captured inputs (GPU): (early_refine, refine_slack)
-REFINE_SCHEDULES = ((False, 0.5), (True, 0.5), (False, 0.1), (True, 0.1))
+# Refine slacks of the Triton HyTopK timed on the captured inputs (GPU): ``HyTopKConfig.refine_slack``
+REFINE_SLACKS = (0.5, 0.25, 0.1)
 
 
-def time_refine_schedules(inputs: tuple, device, reps: int) -> dict:
-    """HyTopK (Triton, the default tiles) on a layer's captured inputs under each of REFINE_SCHEDULES:
-    ``{"early=<bool> slack=<share>": ms}``. The op's arguments: q, k, w, topk, cu_seqlens, window_start, relu."""
+def time_refine_slacks(inputs: tuple, device, reps: int) -> dict:
+    """HyTopK (Triton, the default tiles) on a layer's captured inputs with each of REFINE_SLACKS:
+    ``{"slack=<share>": ms}``. The op's arguments: q, k, w, topk, cu_seqlens, window_start, relu."""
     (q, k, w, topk, cu_seqlens, window_start, relu, *_), _ = inputs
     base = pick_config(q.shape[2], q.shape[3], q.dtype, q.device)
     out = {}
-    for early, slack in REFINE_SCHEDULES:
-        cfg = dataclasses.replace(base, early_refine=early, refine_slack=slack)
+    for slack in REFINE_SLACKS:
+        cfg = dataclasses.replace(base, refine_slack=slack)
         run = lambda cfg=cfg: hytopk_triton(q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start,  # noqa: E731
                                             relu=relu, return_scores=False, config=cfg)
-        out[f"early={early} slack={slack}"] = median_ms(run, device, reps)
+        out[f"slack={slack}"] = median_ms(run, device, reps)
     return out
 
 
@@ -194,7 +194,7 @@ def bench_length(model, tokenizer, T: int, args, device, dtype) -> dict:
             if hytopk_inputs is not None:
                 row["hytopk_ms"] = time_hytopk(hytopk_inputs, device, args.reps)
                 if device.type == "cuda":
-                    row["hytopk_refine_schedules_ms"] = time_refine_schedules(hytopk_inputs, device, args.reps)
+                    row["hytopk_refine_slacks_ms"] = time_refine_slacks(hytopk_inputs, device, args.reps)
             line += (f"  fwd {row['fwd_ms']:.2f} fwd+bwd {row['fwd_bwd_ms']:.2f} with head sums "
                      f"{row['fwd_bwd_head_probs_ms']:.2f} ms  HyTopK {row.get('hytopk_ms', float('nan')):.2f} ms")
         print(line, flush=True)

@@ -100,10 +100,9 @@ class HyTopKConfig:
     # How many keys above K a refine keeps, as a share of the room a scan segment leaves in the buffer
     # (``(SC - SEG) * BN - K``). A large share stops the radix select after fewer levels but leaves a
     # lower threshold, so the scan appends (and later refines and the final selection read) more keys.
+    # ``pick_config`` takes 0.1 for small indexers (measured there); 0.5 is the rule the H = 32 tiles
+    # were tuned with (0.1 measured the same there).
     refine_slack: float = 0.5
-    # One refine right after the first scan launch, down to K + K / 8 keys, for rows already holding
-    # more than K: the threshold then rises while the buffer is small instead of after it first fills.
-    early_refine: bool = False
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -141,7 +140,11 @@ def pick_config(H: int, D: int, dtype: torch.dtype, device: torch.device) -> HyT
     # chunk of ~4K rows only 32-64 programs for 132 SMs. 8 queries per program, H200, T = 32K / 128K,
     # whole op: H = 2, 10.8 / 88.2 ms against 13.7 / 113.2 ms with 64; H = 4, 9.7 / 89.7 ms against
     # 10.5 ms at 32K with 32 (`bench_hytopk.py --heads H --dim 64 --sweep 32768 131072`).
-    return HyTopKConfig(BQ=8, BN=64, num_warps=4, num_stages=2)
+    # Refines keep a tenth of the buffer's room above K, not half: H100, H = 2, D = 64, whole op
+    # 9.39 / 93.8 ms at 32K / 128K against 10.27 / 98.5 (`--sweep-refine`, same run); on a trained
+    # SmolLM2 indexer's own inputs at 128K 72.7 / 87.3 / 89.4 ms against 74.4 / 89.2 / 93.5 (layers
+    # 0 / 15 / 29, `bench_trained_selections.py`). No slack at all made the refines slower (more levels).
+    return HyTopKConfig(BQ=8, BN=64, num_warps=4, num_stages=2, refine_slack=0.1)
 
 
 # Product columns (queries x heads) per selection warpgroup of the Gluon scan.
@@ -308,10 +311,6 @@ def hytopk_triton(
     SC = max(triton.cdiv(cap, BN), k_slots + 2)
     seg = max(1, (SC - k_slots) // 3)
     slack = max(0, int(((SC - seg) * BN - K) * cfg.refine_slack))
-    # The early refine keeps <= K + K / 8 keys, <= seg per slot, so the slots stay no fuller than the
-    # tiles scanned so far, which is what the later refines' schedule below assumes.
-    early_slack = min(K // 8, seg * BN - K)
-    early = cfg.early_refine and early_slack >= 0
     OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
     dev = q.device
     # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
@@ -385,14 +384,9 @@ def hytopk_triton(
             for seg0 in range(0, n_tiles, seg):
                 # A slot gains at most one key per tile, so none can be fuller than SC - seg before
                 # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
-                refine_at = None  # (slack, refine rows with a slot fuller than this)
                 if not score_only and seg0 > SC - seg:
-                    refine_at = (slack, SC - seg)
-                elif not score_only and early and seg0 == seg:  # rows holding more than K keys
-                    refine_at = (early_slack, k_slots)
-                if refine_at is not None:
                     _kernels.hytopk_refine_kernel[(rc, B)](
-                        buf, cnt, th, refine, rc, K, *refine_at, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                        buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
                         ASM_STORE=not interp, **small,
                     )  # fmt: skip
                 if use_gluon:

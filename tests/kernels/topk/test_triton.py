@@ -77,33 +77,15 @@ def test_radix_digit_widths_bitwise(bits):
     assert_same(got, hytopk_reference(q, k, w, 8), f"{2**bits} buckets")
 
 
-# K = 8 in 16-key tiles: slots 7 deep, segments of 2 tiles, so a refine right after the first launch
-# finds full rows (a slot holding 2 keys) and rows of 7 tiles still reach the usual refine
-EARLY = {"cap": 7 * 16}
-
-
-@pytest.mark.parametrize("early,slack,relu", [(True, 0.5, True), (False, 0.0, True), (True, 1.0, False)])
-def test_refine_schedules_bitwise(early, slack, relu):
-    """An early refine after the first launch and any refine slack: the same exact sets (the adversarial
-    rows, 97-112 keys each, every one refined)."""
+@pytest.mark.parametrize("slack,relu", [(0.0, True), (1.0, False)])
+def test_refine_slack_bitwise(slack, relu):
+    """A refine keeping exactly K keys or all the room allows: the same exact sets (adversarial rows of
+    97-112 keys, 7 tiles against 7-deep slots, so every row is refined)."""
     q, k, w = adversarial_inputs(16, 112, 4, 16, device=DEV, seed=2)
     reset_hytopk_stats()
-    cfg = HyTopKConfig(BQ=4, BN=16, CH=8, early_refine=early, refine_slack=slack)
-    got = hytopk_triton(q, k, w, 8, relu=relu, config=cfg, **EARLY)
-    assert_same(got, hytopk_reference(q, k, w, 8, relu=relu), f"early={early} slack={slack} relu={relu}")
+    got = hytopk_triton(q, k, w, 8, relu=relu, config=HyTopKConfig(BQ=4, BN=16, CH=8, refine_slack=slack), cap=7 * 16)
+    assert_same(got, hytopk_reference(q, k, w, 8, relu=relu), f"slack={slack} relu={relu}")
     assert hytopk_stats()["rows_refined"] == q.shape[0] * q.shape[1]
-
-
-def test_early_refine_runs_after_the_first_launch():
-    """Rows of 3 tiles never reach the usual refine; with the early refine those holding more than K are refined."""
-    q, k, w = int_inputs(1, 48, 48, 4, 16, device=DEV, seed=9)
-    refined = {}
-    for early in (False, True):
-        reset_hytopk_stats()
-        got = hytopk_triton(q, k, w, 8, config=HyTopKConfig(BQ=4, BN=16, CH=8, early_refine=early), **EARLY)
-        assert_same(got, hytopk_reference(q, k, w, 8), f"early={early}")
-        refined[early] = hytopk_stats()["rows_refined"]
-    assert refined[False] == 0 and refined[True] > 0
 
 
 @pytest.mark.parametrize("slack", [-0.1, 1.5])
