@@ -99,7 +99,8 @@ class _DeferredLoss(torch.autograd.Function):
 
     ``anchor`` is an input of that attention, passed through; as the attention consumes the result,
     autograd runs this backward only after the attention's, when the target is there. Backward then
-    computes the loss ``loss_fn(target, indices, *index)`` and its gradient with respect to ``index`` (the
+    computes the loss ``loss_fn(target, indices, *index, tiles=...)`` (``tiles``: the query tiles the
+    attention walked, or None) and its gradient with respect to ``index`` (the
     indexer's outputs) on detached leaves, records the loss, and hands the gradient, scaled by the one
     the loss carrier (the second output, 0 in forward) receives, to the indexer. ``indices`` and ``index``
     are saved tensors, so a checkpoint drops and recomputes them like the layer's others: forward and
@@ -116,8 +117,9 @@ class _DeferredLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_anchor, grad_loss):
         indices, *index = ctx.saved_tensors
-        target = ctx.head_probs.take()
-        loss, grads = _loss_and_grads(tuple(index), lambda *t: ctx.loss_fn(target, indices, *t), ctx.state)
+        target, tiles = ctx.head_probs.take(), ctx.head_probs.take_tiles()
+        loss, grads = _loss_and_grads(tuple(index), lambda *t: ctx.loss_fn(target, indices, *t, tiles=tiles),
+                                      ctx.state)
         ctx.state.record_indexer_loss(loss)
         if grads is None or grad_loss is None:
             return (grad_anchor, None, None, None, None, *(None for _ in index))
@@ -129,7 +131,7 @@ def deferred_indexer_loss(anchor: torch.Tensor, head_probs, loss_fn, indices: to
                           state: PatchState) -> tuple[torch.Tensor, torch.Tensor]:
     """``(anchor', carrier)``: feed ``anchor'`` to the attention that fills ``head_probs`` in its backward
     and join ``carrier`` with ``attach_indexer_loss(..., record=False)``; the loss
-    ``loss_fn(target, indices, *index)`` is computed in backward, once per layer and step, and recorded then."""
+    ``loss_fn(target, indices, *index, tiles=...)`` is computed in backward, once per layer and step, and recorded then."""
     return _DeferredLoss.apply(anchor, head_probs, loss_fn, state, indices, *index)
 
 

@@ -22,7 +22,8 @@ Per T in ``--seqlens``:
    (what the sparse stage runs: the indexer KL's target from the backward), for each layer in
    ``--layers`` and both baselines; dense causal SDPA (flash on CUDA) forward + backward at the
    same shape; HyTopK on the captured inputs of each layer in ``--layers`` and of the stack's
-   first layer (on a GPU also with other refine slacks: ``REFINE_SLACKS``).
+   first layer (on a GPU also with other refine slacks: ``REFINE_SLACKS``); the indexer KL from a
+   given target (forward + backward) on those inputs, per query and over the attention's query tiles.
 
 Times are wall-clock medians (the device synchronised around each call) after one warm-up call.
 Writes ``bench_trained_selections.json`` and a PNG to ``--out``.
@@ -48,7 +49,9 @@ from hyscale_hf.benchmarking.cli import require_positive
 from hyscale_hf.benchmarking.inputs import realistic_selection
 from hyscale_hf.benchmarking.selections import SelectionCapture, sharing
 from hyscale_hf.benchmarking.trained import check_saved, load_saved, text_ids
+from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target
 from hyscale_hf.kernels.sparse_attn import HeadProbs, SparseAttentionConfig, host
+from hyscale_hf.kernels.sparse_attn.host import union_tiles
 from hyscale_hf.kernels.topk import hytopk_triton
 from hyscale_hf.kernels.topk.host import pick_config
 
@@ -146,6 +149,27 @@ def time_refine_slacks(inputs: tuple, device, reps: int) -> dict:
     return out
 
 
+def time_kl(idx: torch.Tensor, inputs: tuple, tile_q: int, device, reps: int) -> dict:
+    """The sparse stage's indexer KL from a given target (forward + backward) on a selection, with the
+    indexer tensors HyTopK got for it: per query (``per_query_ms``) and over the attention's query tiles
+    of ``tile_q`` queries (``tiled_ms``, what the GQA step runs; the Triton kernels on a GPU)."""
+    (q, k, w, *_), _ = inputs
+    target = torch.where(idx >= 0, torch.rand(idx.shape, device=idx.device, generator=torch.Generator(
+        device=idx.device).manual_seed(0)) + 0.05, 0.0)
+    tiles = union_tiles(idx, tile_q, k.shape[1], unique=True)
+    out = {}
+    for name, given in (("per_query_ms", None), ("tiled_ms", tiles)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, w)]
+
+        def run(leaves=leaves, given=given):
+            for t in leaves:
+                t.grad = None
+            indexer_kl_loss_given_target(*leaves, idx, target, check_range=False, tiles=given).backward()
+
+        out[name] = median_ms(run, device, reps)
+    return out
+
+
 def synthetic_layout(K: int) -> dict:
     """Sinks and local window of the synthetic baseline: bench_sparse_attention's 4 sinks and 1024
     window at K = 2048 (1020 far tokens); for small K (tests) fewer, so that far tokens remain."""
@@ -193,10 +217,13 @@ def bench_length(model, tokenizer, T: int, args, device, dtype) -> dict:
             row |= time_attention(idx, shape, device, dtype, args.reps)
             if hytopk_inputs is not None:
                 row["hytopk_ms"] = time_hytopk(hytopk_inputs, device, args.reps)
+                row["indexer_kl"] = time_kl(idx, hytopk_inputs, kernel_tile, device, args.reps)
                 if device.type == "cuda":
                     row["hytopk_refine_slacks_ms"] = time_refine_slacks(hytopk_inputs, device, args.reps)
+            kl = row.get("indexer_kl", {})
             line += (f"  fwd {row['fwd_ms']:.2f} fwd+bwd {row['fwd_bwd_ms']:.2f} with head sums "
-                     f"{row['fwd_bwd_head_probs_ms']:.2f} ms  HyTopK {row.get('hytopk_ms', float('nan')):.2f} ms")
+                     f"{row['fwd_bwd_head_probs_ms']:.2f} ms  HyTopK {row.get('hytopk_ms', float('nan')):.2f} ms  "
+                     f"KL per query {kl.get('per_query_ms', float('nan')):.2f} tiled {kl.get('tiled_ms', float('nan')):.2f} ms")
         print(line, flush=True)
     if args.no_timing:
         return res

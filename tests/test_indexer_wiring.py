@@ -171,8 +171,8 @@ def test_deferred_loss_runs_after_the_attention_with_the_gradient_of_the_loss(ch
         state = make_state(0.5)
         calls = []
 
-        def with_target(t, idx, q, w, calls=calls, loss_fn=loss_fn):
-            calls.append((in_backward(), torch.equal(t, target), torch.equal(idx, indices)))
+        def with_target(t, idx, q, w, calls=calls, loss_fn=loss_fn, tiles=None):
+            calls.append((in_backward(), torch.equal(t, target), torch.equal(idx, indices), tiles))
             return loss_fn(q, w) * t.sum()
 
         base = torch.randn(5, 2, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -196,7 +196,7 @@ def test_deferred_loss_runs_after_the_attention_with_the_gradient_of_the_loss(ch
         if deferred:
             assert not calls and state.pop_indexer_loss() is None  # nothing in forward
         y.sum().backward()
-        assert calls == [(deferred, True, True)]
+        assert calls == [(deferred, True, True, None)]  # the toy attention walks no query tiles
         results.append((proj.weight.grad, proj.bias.grad, state.pop_indexer_loss()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -210,3 +210,5 @@ def test_head_probs_taken_before_the_attention_backward_is_an_error():
         slot.take()
     slot.value = torch.ones(1)
     assert torch.equal(slot.take(), torch.ones(1)) and slot.value is None
+    slot.tiles = "lists"
+    assert slot.take_tiles() == "lists" and slot.take_tiles() is None

@@ -225,6 +225,32 @@ def test_patched_step_reads_no_index_range_on_the_host(model_type, monkeypatch):
     assert reads and not any(reads)
 
 
+def test_the_gqa_indexer_loss_walks_the_attention_tiles(monkeypatch):
+    """Triton path (the interpreter here): the attention's backward walks query tiles and hands them to
+    the deferred indexer KL, which walks them too; the loss and every gradient match the per-query KL."""
+    from hyscale_hf.kernels.indexer_kl import op as kl_op
+    from hyscale_hf.kernels.indexer_kl import tiled
+    from hyscale_hf.state import patch_state
+
+    calls = []
+    real = tiled.indexer_kl_forward_tiled
+    monkeypatch.setattr(kl_op, "indexer_kl_forward_tiled", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = []
+    for walk_tiles in (True, False):
+        if not walk_tiles:
+            monkeypatch.setattr(kl_op, "tile_shape", lambda *args: None)
+        model = _patched("llama", backend="triton")
+        model.gradient_checkpointing_enable()
+        before = len(calls)
+        results.append((_step(model, _ids()), patch_state(model).pop_indexer_loss()))
+        assert len(calls) - before == (2 if walk_tiles else 0)  # once per layer (two), when tiles are walked
+    (got, loss), (want, want_loss) = results
+    assert loss == pytest.approx(want_loss, rel=1e-5) and want_loss > 0
+    assert any(".indexer." in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("model_type", MODELS)
 def test_deferred_indexer_loss_is_the_loss_computed_in_forward(model_type, monkeypatch):
     """The sparse stage takes the KL target from its attention (here the torch path, which fills it in

@@ -371,11 +371,13 @@ def _deferred_target(attention, state: PatchState, index: tuple, indices: torch.
     cfg = state.config
     query_real = vis.query_real
 
-    def loss_fn(target, indices, iq, ik, iw):
+    def loss_fn(target, indices, iq, ik, iw, tiles=None):
         if query_real is not None:  # padding queries are no training signal
             indices = indices.masked_fill(~query_real[..., None], -1)
+        # tiles: the attention's query tiles over these indices (GQA), walked instead of each query's keys
         kl = indexer_kl_loss_given_target(iq, ik, iw, indices, target, relu=cfg.relu, backend=cfg.backend,
-                                          check_range=False, reduction="mean" if count is None else "sum")
+                                          check_range=False, reduction="mean" if count is None else "sum",
+                                          tiles=tiles)
         return kl if count is None else kl / count
 
     return attention.defer_target(

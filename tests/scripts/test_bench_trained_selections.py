@@ -30,7 +30,9 @@ def test_bench_trained_selections_tiny(saved, tmp_path):
     assert set(row["selections"]) == {"trained layer 1", "stack (random init), layer 0", "realistic_selection"}
     for name, timed in row["selections"].items():
         assert timed["fwd_ms"] > 0 and timed["fwd_bwd_head_probs_ms"] > 0
-        assert ("hytopk_ms" in timed) == (name != "realistic_selection")
+        assert ("hytopk_ms" in timed) == (name != "realistic_selection") == ("indexer_kl" in timed)
+        if "indexer_kl" in timed:
+            assert timed["indexer_kl"]["per_query_ms"] > 0 and timed["indexer_kl"]["tiled_ms"] > 0
         widest = timed["sharing"]["G=64"]["max_union"]
         assert timed["tiled_forward"] == (widest <= 4 * 8)
     assert row["dense_fwd_bwd_ms"] > 0

@@ -21,6 +21,8 @@ from ..checks import (
     check_tensor,
     resolve_backend,
 )
+from ..sparse_attn.head_probs import check_sorted_rows
+from ..sparse_attn.host import KeyLists
 from . import triton_kernels as kernels
 from .masked_dense import fits as masked_dense_fits
 from .masked_dense import indexer_kl_masked_dense
@@ -30,6 +32,7 @@ from .naive import (
     indexer_kl_loss_reference,
     reduce_kl,
 )
+from .tiled import indexer_kl_backward_tiled, indexer_kl_forward_tiled, tile_shape
 
 _LOG2E = 1.4426950408889634
 
@@ -157,10 +160,11 @@ def attention_prob_sum_triton(attn_q, attn_k, indices, lse, scale, *, config=Non
 
 
 def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices, attn_lse, scale, relu,
-                              *, save_target=True, config=None, target=None):
+                              *, save_target=True, config=None, target=None, tiles=None):
     """Per-query KL [B, S] fp32, plus (P [B, S, K] fp32 or None, Z [B, S], lseI [B, S]) for backward.
     With ``target`` (P given, fp32 [B, S, K]) the attention tensors are not read (pass None for them,
-    and for attn_lse) and P is returned as given."""
+    and for attn_lse) and P is returned as given; with ``tiles`` too (``_usable_tiles``) the kernel
+    walks the attention's query tiles (``tiled.py``)."""
     index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
     index_q, index_k = map(_last_dim_contiguous, (index_q, index_k))
     index_w = _last_dim_contiguous(index_w.float())
@@ -188,6 +192,10 @@ def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices
     Hkv = attn_k.shape[2]
     if B * S == 0:
         return kl, (target if save_target else None), z, lse_i
+    if p_given and tiles is not None:
+        kl, z, lse_i = indexer_kl_forward_tiled(index_q, index_k, index_w, indices, target, tiles, relu,
+                                                _precision(index_q.dtype))
+        return kl, target, z, lse_i
     cfg = _launch_config("fwd_given" if p_given else "fwd", dev, config, Dqk)
     kernels.indexer_kl_fwd_kernel[(S, B)](
         index_q, index_k, index_w, indices, attn_q, attn_k, lse,
@@ -204,9 +212,10 @@ def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices
 
 
 def indexer_kl_backward_triton(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, relu,
-                               *, config=None):
+                               *, config=None, tiles=None):
     """Gradients (d index_q, d index_k, d index_w) of sum(grad_kl * KL). d index_k is accumulated with
-    fp32 atomics, so its bits can vary between runs (summation order); the others are deterministic."""
+    fp32 atomics, so its bits can vary between runs (summation order); the others are deterministic.
+    With ``tiles`` the kernel walks the attention's query tiles (``tiled.py``)."""
     q_dtype, k_dtype, w_dtype = index_q.dtype, index_k.dtype, index_w.dtype
     index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
     index_q, index_k = _last_dim_contiguous(index_q), _last_dim_contiguous(index_k)
@@ -218,7 +227,10 @@ def indexer_kl_backward_triton(grad_kl, index_q, index_k, index_w, indices, targ
     dq = torch.empty(B, S, H, D, dtype=q_dtype, device=dev)
     dw = torch.empty(B, S, H, dtype=torch.float32, device=dev)
     dk = torch.zeros(B, T, D, dtype=torch.float32, device=dev)
-    if B * S > 0:
+    if B * S > 0 and tiles is not None:
+        indexer_kl_backward_tiled(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, tiles, relu,
+                                  _precision(index_q.dtype), dq, dw, dk)
+    elif B * S > 0:
         cfg = _launch_config("bwd", dev, config)
         kernels.indexer_kl_bwd_kernel[(S, B)](
             index_q, index_k, index_w, indices, target, z, lse_i, grad_kl,
@@ -236,10 +248,12 @@ def indexer_kl_backward_triton(grad_kl, index_q, index_k, index_w, indices, targ
 
 def _indexer_grads(ctx, grad_kl):
     """Backward of the Triton KL functions below: gradients to index_q, index_k, index_w (their first
-    three inputs) from what their forward saved; None for every other input."""
-    index_q, index_k, index_w, indices, target, z, lse_i = ctx.saved_tensors
+    three inputs) from what their forward saved (and the query tiles' lists, if it walked them); None
+    for every other input."""
+    index_q, index_k, index_w, indices, target, z, lse_i, *lists = ctx.saved_tensors
+    tiles = KeyLists(*lists, ctx.tile_q) if lists else None
     dq, dk, dw = indexer_kl_backward_triton(
-        grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config
+        grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, ctx.relu, config=ctx.config, tiles=tiles
     )
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dw if need[2] else None) + (None,) * (len(need) - 3)
@@ -257,7 +271,7 @@ class _IndexerKLSparse(torch.autograd.Function):
         )
         if needs_grad:
             ctx.save_for_backward(index_q, index_k, index_w, indices, target, z, lse_i)
-        ctx.relu, ctx.config = relu, config
+        ctx.relu, ctx.config, ctx.tile_q = relu, config, 0
         return kl
 
     @staticmethod
@@ -269,13 +283,15 @@ class _IndexerKLGivenTarget(torch.autograd.Function):
     """Per-query KL [B, S] with the target P given; gradients to index_q, index_k, index_w only."""
 
     @staticmethod
-    def forward(ctx, index_q, index_k, index_w, indices, target, relu, config):
+    def forward(ctx, index_q, index_k, index_w, indices, target, relu, config, tiles):
         kl, target, z, lse_i = indexer_kl_forward_triton(
-            index_q, index_k, index_w, None, None, indices, None, None, relu, config=config, target=target
+            index_q, index_k, index_w, None, None, indices, None, None, relu, config=config, target=target,
+            tiles=tiles,
         )
+        lists = () if tiles is None else (tiles.idx, tiles.num, tiles.bits)
         if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(index_q, index_k, index_w, indices, target, z, lse_i)
-        ctx.relu, ctx.config = relu, config
+            ctx.save_for_backward(index_q, index_k, index_w, indices, target, z, lse_i, *lists)
+        ctx.relu, ctx.config, ctx.tile_q = relu, config, 0 if tiles is None else tiles.tile_q
         return kl
 
     @staticmethod
@@ -403,6 +419,26 @@ def indexer_kl_loss(
     )
 
 
+def _check_tiles(tiles, index_q: torch.Tensor) -> None:
+    """``tiles`` must be query tiles over index_q's B x S queries (``union_tiles``' shapes), on its device."""
+    B, S = index_q.shape[:2]
+    if not isinstance(tiles, KeyLists):
+        raise TypeError(f"tiles must be a sparse_attn KeyLists (HeadProbs.tiles) or None, got {type(tiles).__name__}")
+    if tiles.tile_q < 1:
+        raise ValueError(f"tiles must be query tiles (tile_q >= 1), got per-token lists (tile_q = {tiles.tile_q})")
+    n = -(-S // tiles.tile_q)
+    union, num, bits = tiles.idx, tiles.num, tiles.bits
+    want = f"union [B={B}, {n}, U], num [B={B}, {n}], bits [{B * n * tiles.tile_q}, W >= U / 32] int32"
+    ok = (union.dim() == 3 and tuple(union.shape[:2]) == (B, n) and tuple(num.shape) == (B, n)
+          and bits.dim() == 2 and bits.shape[0] == B * n * tiles.tile_q and bits.shape[1] * 32 >= union.shape[2]
+          and all(t.dtype == torch.int32 for t in (union, num, bits)))
+    if not ok:
+        raise ValueError(f"tiles of {tiles.tile_q} queries over S = {S} need {want}; got union "
+                         f"{tuple(union.shape)}, num {tuple(num.shape)}, bits {tuple(bits.shape)} "
+                         f"({union.dtype}, {num.dtype}, {bits.dtype})")
+    check_same_device(index_q=index_q, tiles=union)
+
+
 def _check_index_tensors(index_q, index_k, index_w):
     """(B, S, H, D, T) of the indexer's outputs, after their checks."""
     check_tensor("index_q", index_q, 4, "[B, S, H, D]")
@@ -476,6 +512,7 @@ def indexer_kl_loss_given_target(
     backend: str = "auto",
     config: IndexerKLConfig | None = None,
     check_range: bool = True,
+    tiles: KeyLists | None = None,
 ):
     """``indexer_kl_loss``'s sparse stage with its target given: ``KL(p[i] || softmax(I[i]))`` on each
     query's selected keys, ``p = P / sum(P)`` from ``target`` (``attention_prob_sum``'s P, or the one
@@ -486,6 +523,13 @@ def indexer_kl_loss_given_target(
         indices: int32 ``[B, S, K]``; a slot with -1 counts as no key whatever ``target`` holds there (so
             masking a query's indices to -1 drops it from the loss).
         target: fp32 ``[B, S, K]``, unnormalised, read without gradient.
+        tiles: the query tiles' key lists of the attention that produced ``target`` (``HeadProbs.tiles``,
+            a ``sparse_attn`` ``KeyLists`` with ``tile_q >= 1`` built from these indices or from the same
+            indices before some queries were masked to -1). The Triton kernels then walk each tile's
+            union of keys once instead of every query's keys (``tiled.py``): the same loss and gradients
+            up to fp32 summation order. Rows of ``indices`` must then list their keys ascending, each
+            once, -1 after them (``hytopk``'s rows; checked with the range). Tiles of more rows (queries
+            x indexer heads) than one program holds, and the torch backend, use the per-query path.
 
     Returns:
         The loss (fp32 scalar, or ``[B, S]`` with ``reduction="none"``), with the gradients of
@@ -502,13 +546,19 @@ def indexer_kl_loss_given_target(
         raise ValueError(f"target has K = {target.shape[2]} slots but indices has {indices.shape[2]}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if tiles is not None:
+        _check_tiles(tiles, index_q)
+        if check_range:
+            check_sorted_rows(indices, "with tiles")
     kernel_dtypes = all(t.dtype in _TRITON_DTYPES for t in (index_q, index_k)) and target.dtype == torch.float32
     if backend == "triton" and not kernel_dtypes:
         raise ValueError("backend='triton' takes fp16/bf16/fp32 index_q/index_k and an fp32 target; "
                          "use backend='torch' (the exact reference) for float64")
     target = target.detach()
     if resolve_backend(backend, index_q.device, kernel_dtypes) == "triton":
-        kl = _IndexerKLGivenTarget.apply(index_q, index_k, index_w, indices.contiguous(), target, relu, config)
+        if tiles is not None and tile_shape(tiles.tile_q, H, D) is None:
+            tiles = None  # more rows than one program holds: the per-query kernels
+        kl = _IndexerKLGivenTarget.apply(index_q, index_k, index_w, indices.contiguous(), target, relu, config, tiles)
         return reduce_kl(kl, (indices >= 0).any(-1), reduction)
     return indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, relu=relu,
                                              reduction=reduction)

@@ -18,12 +18,15 @@ from ..checks import has_values
 class HeadProbs:
     """Receives ``P [B, S, K]`` fp32 of one attention call: in its backward on the Triton path (fused
     into the GQA backward kernel, or the Gluon MLA dK/dV kernel on sm_90; else ``prob_sum_pass``), in
-    its forward on the torch path."""
+    its forward on the torch path. Where that backward walked query tiles (GQA), it also leaves their
+    key lists (``tiles``, a ``host.KeyLists``), which the indexer KL can walk instead of every query's
+    keys (``indexer_kl_loss_given_target(..., tiles=...)``)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "tiles")
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
+        self.tiles = None
 
     def take(self) -> torch.Tensor:
         """The probabilities, handed over once (the slot is emptied so they are freed with their reader)."""
@@ -31,6 +34,12 @@ class HeadProbs:
             raise RuntimeError("HeadProbs.take(): the attention that fills it has not run its backward yet")
         value, self.value = self.value, None
         return value
+
+    def take_tiles(self):
+        """The query tiles' key lists the attention walked (None: it walked each query's keys), handed
+        over once like ``take``."""
+        tiles, self.tiles = self.tiles, None
+        return tiles
 
 
 def prob_sum_pass(q, k, indices, lse, scale: float, backend: str) -> torch.Tensor:
@@ -44,12 +53,13 @@ def prob_sum_pass(q, k, indices, lse, scale: float, backend: str) -> torch.Tenso
                               check_range=False)
 
 
-def check_sorted_rows(indices: torch.Tensor) -> None:
+def check_sorted_rows(indices: torch.Tensor, why: str = "with head_probs") -> None:
     """Raise unless every row of ``indices`` lists its keys in ascending order with its -1 slots after
-    them (``hytopk``'s rows): query tiles place the head sums by rank (one host sync)."""
+    them (``hytopk``'s rows): query tiles place the head sums by rank (one host sync). ``why`` names
+    the option that needs it in the message."""
     if indices.shape[-1] < 2 or not indices.numel() or torch.compiler.is_compiling() or not has_values(indices):
         return
     nxt, cur = indices[..., 1:], indices[..., :-1]
     if bool(((nxt >= 0) & ((cur < 0) | (nxt <= cur))).any()):
-        raise ValueError("indices: with head_probs every row must list its keys in ascending order, each once, "
+        raise ValueError(f"indices: {why} every row must list its keys in ascending order, each once, "
                          "with its -1 slots after them (as hytopk returns them)")

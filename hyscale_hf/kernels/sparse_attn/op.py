@@ -63,6 +63,7 @@ class _SparseAttentionFn(torch.autograd.Function):
         )
         if ctx.head_probs is not None:
             ctx.head_probs.value = psum if psum_done else prob_sum_pass(q, k, rows[0], lse, ctx.scale, "triton")
+            ctx.head_probs.tiles = lists if lists.tile_q else None
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

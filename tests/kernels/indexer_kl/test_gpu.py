@@ -130,3 +130,30 @@ def test_given_target_matches_the_loss_that_computes_it(attn):
     assert abs(got.item() - loss.item()) <= 1e-4 * abs(loss.item())
     for name, a, b in zip(("index_q", "index_k", "index_w"), [t.grad for t in leaves], grads):
         assert _rel(a, b) < 1e-2, name
+
+
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_tiles_match_the_per_query_kernels_at_smollm2_shape(T):
+    """The given-target KL over the attention's query tiles (42 queries: SmolLM2's 9 / 3 heads in
+    128-row tiles) against the per-query kernels, bf16, a 2 x 64 indexer, K = 2048: the same loss and
+    gradients up to fp32 summation order and bf16 products."""
+    from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target
+    from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig
+    from hyscale_hf.kernels.sparse_attn.host import union_tiles
+
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    iq = torch.randn(1, T, 2, 64, device=DEVICE, generator=g).to(torch.bfloat16)
+    ik = torch.randn(1, T, 64, device=DEVICE, generator=g).to(torch.bfloat16)
+    iw = torch.rand(1, T, 2, device=DEVICE, generator=g) + 0.2
+    idx = causal_indices(1, T, T, K, generator=g, device=DEVICE, local=512, sinks=16)
+    target = torch.where(idx >= 0, torch.rand(idx.shape, device=DEVICE, generator=g) + 0.05, 0.0)
+    tiles = union_tiles(idx, SparseAttentionConfig().tile_rows // 3, T, unique=True)
+    results = []
+    for given in (tiles, None):
+        leaves = [t.clone().requires_grad_() for t in (iq, ik, iw)]
+        kl = indexer_kl_loss_given_target(*leaves, idx, target, reduction="none", backend="triton", tiles=given)
+        (kl * (torch.arange(T, device=DEVICE) % 7 + 1)).sum().backward()
+        results.append([kl.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("kl", "index_q", "index_k", "index_w"), *results):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, b) < 1e-2, f"{name}: relative difference {_rel(a, b):.2e}"

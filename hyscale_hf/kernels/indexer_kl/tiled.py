@@ -1,0 +1,227 @@
+"""The sparse-stage indexer KL with its target given, over the attention's query tiles.
+
+The per-query kernels (``triton_kernels.py``) gather every query's K selected index keys and add each
+(query, key) pair's ``d index_k`` row with fp32 atomics: O(S * K) gathers and atomics, while the
+attention that produced the target walked query tiles over the sorted union of their keys
+(``sparse_attn.host.union_tiles``), which is far smaller where neighbouring queries agree (a trained
+indexer's selections on real text: a 42-query tile's union is 5-7% of its pairs). These kernels walk
+the same tiles: a program owns a tile of ``tile_q`` queries and all their indexer heads, gathers each
+union key once, scores it for every query of the tile with one tensor-core product and keeps the
+pairs whose membership bit is set (``sparse_attn``'s ``_member``). A pair's target sits in the query's
+index row at the key's rank among the keys the query selected (rows ascending, as ``hytopk`` returns
+them and as the attention's backward placed it); the rank is the count of membership bits before it.
+``d index_k`` of a union key is summed over the tile in registers before one atomic add.
+
+Rows of a program: query m of the tile and indexer head h at row ``m * HP + h`` (HP = heads padded to a
+power of two; the tile's queries padded to TQP, a power of two), so the head sum of the logits is a
+reshape. The math is the per-query kernels' (``triton_kernels.py`` derives it). A query whose index
+row starts with -1 has no key: its loss and gradients are 0, whatever the tile's bits say (a caller
+masks a query out by its indices).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..sparse_attn.triton_kernels import _member
+
+# Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
+# 128 rows of 128 dims or 256 rows of 64.
+MAX_TILE_ELEMENTS = 256 * 64
+BLOCK_N = 64  # union keys per step: a multiple of 32 (whole membership words)
+
+
+def tile_shape(tile_q: int, H: int, D: int) -> tuple[int, int, int] | None:
+    """``(TQP, HP, BLOCK_D)`` of a program, or None where the tile's rows do not fit one program."""
+    tqp, hp, bd = triton.next_power_of_2(max(1, tile_q)), triton.next_power_of_2(max(1, H)), max(16, triton.next_power_of_2(D))
+    if tqp * hp < 16 or tqp * hp * bd > MAX_TILE_ELEMENTS:
+        return None
+    return tqp, hp, bd
+
+
+@triton.jit
+def _tile_setup(IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s,
+                TQP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tile's queries (``tq`` [TQP], which exist, which have a key), its rows' q [TQP * HP, BLOCK_D]
+    and w [TQP * HP], and the rows' (query, head) masks."""
+    qm = tl.arange(0, TQP)
+    tq = p * tile_q + qm
+    qmask = (qm < tile_q) & (tq < S)
+    first = tl.load(IDX + b * s_idx_b + tq.to(tl.int64) * s_idx_s, mask=qmask, other=-1)
+    has_key = qmask & (first >= 0)
+    rows = tl.arange(0, TQP * HP)
+    t = (p * tile_q + rows // HP).to(tl.int64)
+    h = rows % HP
+    rmask = ((rows // HP) < tile_q) & (t < S) & (h < H)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(IQ + b * s_iq_b + t[:, None] * s_iq_s + h[:, None] * s_iq_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(IW + b * s_iw_b + t * s_iw_s + h, mask=rmask, other=0.0)
+    return qm, tq, qmask, has_key, t, h, rmask, d, dmask, q, w
+
+
+@triton.jit
+def _union_block(IK, UNION, BITS, P, q, w, b, start, count, union_row, bits_rows, tq, has_key, seen, d, dmask,
+                 s_ik_b, s_ik_t, s_p_b, s_p_s,
+                 RELU: tl.constexpr, TQP: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Union keys ``[start, start + BLOCK_N)`` of a tile: their rows of index_k, the per-row products qk,
+    the per-query logits [TQP, BLOCK_N], which (query, key) pairs are selected, their target P and the
+    updated count of each query's selected keys so far."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    kid = tl.load(union_row + offs_n, mask=offs_n < count, other=-1)
+    valid = kid >= 0
+    safe = tl.where(valid, kid, 0).to(tl.int64)
+    kt = tl.load(IK + b * s_ik_b + safe[:, None] * s_ik_t + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION)  # [TQP * HP, BLOCK_N]
+    r = qk
+    if RELU:
+        r = tl.maximum(qk, 0.0)
+    logit = tl.sum(tl.reshape(r * w[:, None], [TQP, HP, BLOCK_N]), axis=1)  # head sum: [TQP, BLOCK_N]
+    live = _member(valid[None, :] & has_key[:, None], bits_rows, has_key, start, True, TQP, BLOCK_N)
+    taken = live.to(tl.int32)
+    slot = seen[:, None] + tl.cumsum(taken, axis=1) - 1  # the key's rank among the query's keys
+    p_un = tl.load(P + b * s_p_b + tq.to(tl.int64)[:, None] * s_p_s + slot, mask=live, other=0.0)
+    return kid, valid, safe, kt, qk, r, logit, live, p_un, seen + tl.sum(taken, axis=1)
+
+
+@triton.jit
+def indexer_kl_fwd_tiled_kernel(
+    IQ, IK, IW, IDX, UNION, NUM, BITS, P, KL, Z, LSEI,
+    S, H, D, tile_q, n_tiles, max_u, n_words,
+    s_iq_b, s_iq_s, s_iq_h, s_ik_b, s_ik_t, s_iw_b, s_iw_s, s_idx_b, s_idx_s, s_p_b, s_p_s,
+    RELU: tl.constexpr, TQP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per-query KL, Z and lseI of tile program_id(0) of batch program_id(1) (``indexer_kl_fwd_kernel``
+    with ``P_GIVEN``, over the tile's union)."""
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    qm, tq, qmask, has_key, t, h, rmask, d, dmask, q, w = _tile_setup(
+        IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D
+    )
+    tile = b * n_tiles + p
+    count = tl.load(NUM + tile)
+    union_row = UNION + tile * max_u
+    bits_rows = BITS + (tile * tile_q + qm) * n_words
+    m_i = tl.full([TQP], float("-inf"), tl.float32)  # running max of I over the selected keys
+    l_i = tl.zeros([TQP], tl.float32)
+    z = tl.zeros([TQP], tl.float32)
+    a = tl.zeros([TQP], tl.float32)
+    c = tl.zeros([TQP], tl.float32)
+    seen = tl.zeros([TQP], tl.int32)
+    for start in range(0, count, BLOCK_N):
+        _, _, _, _, _, _, logit, live, p_un, seen = _union_block(
+            IK, UNION, BITS, P, q, w, b, start, count, union_row, bits_rows, tq, has_key, seen, d, dmask,
+            s_ik_b, s_ik_t, s_p_b, s_p_s, RELU, TQP, HP, BLOCK_N, PRECISION,
+        )  # fmt: skip
+        z += tl.sum(p_un, axis=1)
+        a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0), axis=1)
+        c += tl.sum(tl.where(live, p_un * logit, 0.0), axis=1)
+        masked = tl.where(live, logit, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(masked, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(masked - m_safe[:, None]), axis=1)
+        m_i = m_new
+    lse_i = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+    z_safe = tl.where(z > 0, z, 1.0)
+    kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
+    out = b * S + tq
+    tl.store(KL + out, kl, mask=qmask)
+    tl.store(Z + out, z, mask=qmask)
+    tl.store(LSEI + out, lse_i, mask=qmask)
+
+
+@triton.jit
+def indexer_kl_bwd_tiled_kernel(
+    IQ, IK, IW, IDX, UNION, NUM, BITS, P, Z, LSEI, GKL, DQ, DW, DK,
+    S, T, H, D, tile_q, n_tiles, max_u, n_words,
+    s_iq_b, s_iq_s, s_iq_h, s_ik_b, s_ik_t, s_iw_b, s_iw_s, s_idx_b, s_idx_s, s_p_b, s_p_s, s_g_b, s_g_s,
+    RELU: tl.constexpr, TQP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dq, dw of a tile's rows and its union keys' d index_k (one fp32 atomic add per key and tile):
+    ``indexer_kl_bwd_kernel``'s gradients over the tile's union."""
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    qm, tq, qmask, has_key, t, h, rmask, d, dmask, q, w = _tile_setup(
+        IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D
+    )
+    tile = b * n_tiles + p
+    count = tl.load(NUM + tile)
+    union_row = UNION + tile * max_u
+    bits_rows = BITS + (tile * tile_q + qm) * n_words
+    g = tl.load(GKL + b * s_g_b + tq * s_g_s, mask=qmask, other=0.0).to(tl.float32)
+    z = tl.load(Z + b * S + tq, mask=qmask, other=0.0)
+    lse_i = tl.load(LSEI + b * S + tq, mask=qmask, other=0.0)
+    g_soft = tl.where(z > 0, g, 0.0)  # sum_s p = 1, or 0 when the target is empty
+    g_p = g / tl.where(z > 0, z, 1.0)
+    dq = tl.zeros([TQP * HP, BLOCK_D], tl.float32)
+    dw = tl.zeros([TQP * HP], tl.float32)
+    seen = tl.zeros([TQP], tl.int32)
+    for start in range(0, count, BLOCK_N):
+        kid, valid, safe, kt, qk, r, logit, live, p_un, seen = _union_block(
+            IK, UNION, BITS, P, q, w, b, start, count, union_row, bits_rows, tq, has_key, seen, d, dmask,
+            s_ik_b, s_ik_t, s_p_b, s_p_s, RELU, TQP, HP, BLOCK_N, PRECISION,
+        )  # fmt: skip
+        d_i = tl.where(live, g_soft[:, None] * tl.exp(logit - lse_i[:, None]) - g_p[:, None] * p_un, 0.0)
+        d_rows = tl.reshape(tl.broadcast_to(d_i[:, None, :], [TQP, HP, BLOCK_N]), [TQP * HP, BLOCK_N])
+        dw += tl.sum(r * d_rows, axis=1)
+        dqk = w[:, None] * d_rows
+        if RELU:
+            dqk = tl.where(qk >= 0, dqk, 0.0)  # torch.clamp_min passes the gradient at exactly 0
+        dqk_in = dqk.to(kt.dtype)
+        dq = tl.dot(dqk_in, kt, dq, input_precision=PRECISION)
+        dkt = tl.dot(tl.trans(dqk_in), q, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D], summed over the tile
+        tl.atomic_add(DK + (b * T + safe[:, None]) * D + d[None, :], dkt, mask=valid[:, None] & dmask[None, :],
+                      sem="relaxed")
+    rows_out = (b * S + t) * H + h
+    tl.store(DQ + rows_out[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    tl.store(DW + rows_out, dw, mask=rmask)
+
+
+def _tile_args(tiles):
+    """union, num, bits (contiguous), tile_q, tiles per sequence, union width, membership words per query."""
+    union, num, bits = tiles.idx.contiguous(), tiles.num.contiguous(), tiles.bits.contiguous()
+    return union, num, bits, tiles.tile_q, union.shape[1], union.shape[2], bits.shape[1]
+
+
+def _launch(tqp: int, hp: int, device: torch.device) -> dict:
+    """Warps of a tile program on CUDA (4 up to 128 rows, else 8); the interpreter takes none."""
+    return {"num_warps": 4 if tqp * hp <= 128 else 8} if device.type == "cuda" else {}
+
+
+def indexer_kl_forward_tiled(index_q, index_k, index_w, indices, target, tiles, relu: bool, precision: str):
+    """``(kl, z, lse_i)`` fp32 [B, S] of the given-target loss over ``tiles`` (``sparse_attn.host.KeyLists``
+    with ``tile_q >= 1``); inputs as ``op.indexer_kl_forward_triton`` prepares them."""
+    B, S, H, D = index_q.shape
+    tqp, hp, bd = tile_shape(tiles.tile_q, H, D)
+    union, num, bits, tile_q, n_tiles, max_u, n_words = _tile_args(tiles)
+    kl, z, lse_i = (torch.empty(B, S, dtype=torch.float32, device=index_q.device) for _ in range(3))
+    indexer_kl_fwd_tiled_kernel[(n_tiles, B)](
+        index_q, index_k, index_w, indices, union, num, bits, target, kl, z, lse_i,
+        S, H, D, tile_q, n_tiles, max_u, n_words,
+        *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
+        *target.stride()[:2],
+        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, index_q.device),
+    )  # fmt: skip
+    return kl, z, lse_i
+
+
+def indexer_kl_backward_tiled(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, tiles, relu: bool,
+                              precision: str, dq, dw, dk):
+    """Fills ``dq`` [B, S, H, D], ``dw`` [B, S, H] fp32 and adds into ``dk`` [B, T, D] fp32 (zeros)."""
+    B, S, H, D = index_q.shape
+    T = index_k.shape[1]
+    tqp, hp, bd = tile_shape(tiles.tile_q, H, D)
+    union, num, bits, tile_q, n_tiles, max_u, n_words = _tile_args(tiles)
+    indexer_kl_bwd_tiled_kernel[(n_tiles, B)](
+        index_q, index_k, index_w, indices, union, num, bits, target, z, lse_i, grad_kl, dq, dw, dk,
+        S, T, H, D, tile_q, n_tiles, max_u, n_words,
+        *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
+        *target.stride()[:2], *grad_kl.stride(),
+        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, index_q.device),
+    )  # fmt: skip
