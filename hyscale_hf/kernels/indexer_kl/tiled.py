@@ -189,9 +189,13 @@ def _tile_args(tiles):
     return union, num, bits, tiles.tile_q, union.shape[1], union.shape[2], bits.shape[1]
 
 
-def _launch(tqp: int, hp: int, device: torch.device) -> dict:
-    """Warps of a tile program on CUDA (4 up to 128 rows, else 8); the interpreter takes none."""
-    return {"num_warps": 4 if tqp * hp <= 128 else 8} if device.type == "cuda" else {}
+def _launch(tqp: int, hp: int, bd: int, device: torch.device, backward: bool) -> dict:
+    """Warps of a tile program on CUDA: 8 where its fp32 blocks would crowd 4 warps' registers (the
+    backward holds dq beside three [rows, BLOCK_N] blocks from 128 x 64 up), else 4; the interpreter
+    takes none."""
+    if device.type != "cuda":
+        return {}
+    return {"num_warps": 8 if tqp * hp > 128 or (backward and tqp * hp * bd >= 128 * 64) else 4}
 
 
 def indexer_kl_forward_tiled(index_q, index_k, index_w, indices, target, tiles, relu: bool, precision: str):
@@ -206,7 +210,7 @@ def indexer_kl_forward_tiled(index_q, index_k, index_w, indices, target, tiles, 
         S, H, D, tile_q, n_tiles, max_u, n_words,
         *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
         *target.stride()[:2],
-        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, index_q.device),
+        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, bd, index_q.device, False),
     )  # fmt: skip
     return kl, z, lse_i
 
@@ -223,5 +227,5 @@ def indexer_kl_backward_tiled(grad_kl, index_q, index_k, index_w, indices, targe
         S, T, H, D, tile_q, n_tiles, max_u, n_words,
         *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
         *target.stride()[:2], *grad_kl.stride(),
-        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, index_q.device),
+        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, bd, index_q.device, True),
     )  # fmt: skip
