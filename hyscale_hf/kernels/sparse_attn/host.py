@@ -41,7 +41,11 @@ DS_BYTES = 1 << 30
 # Per-token rows are walked up to their last key rounded up to this many slots (>= every BLOCK_N).
 EXTENT_GRAIN = 128
 
-# The tiled forward runs only where the widest tile union has at most this many times K keys.
+# The tiled forward runs only where the tile unions hold on average at most this many times K keys:
+# each tile walks its own union, so their total is the forward's work. (The widest union once stood
+# for it, read in the sync that sizes the lists; a trained SmolLM2 indexer's layer with unions of 3.0 K
+# on average but one of 4.8 K then ran its whole forward per token, 43 ms at 128K on an H100 where its
+# neighbours' tiled forwards took 17-20 ms. The average needs one more read only past that width.)
 TILED_FWD_MAX_UNION = 4
 
 
@@ -360,7 +364,8 @@ def forward_plan(q, k, v, indices, config: SparseAttentionConfig, unique: bool =
     d1, _ = _split_key_dim(Dqk)
     lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config, unique=unique)
     run = lists
-    if S and lists.tile_q and lists.idx.shape[2] > TILED_FWD_MAX_UNION * indices.shape[2]:
+    limit = TILED_FWD_MAX_UNION * indices.shape[2]
+    if S and lists.tile_q and lists.idx.shape[2] > limit and float(lists.num.float().mean()) > limit:
         # Little overlap between neighbouring queries: a tile's product would be mostly masked
         # work, while the per-token forward only moves the selected rows. (The backward still
         # takes the tiles: there a key's contributions sum in registers before one atomic add.)

@@ -242,6 +242,20 @@ def test_wide_unions_run_the_per_token_forward_and_the_tiled_backward(monkeypatc
     assert_matches_reference(q, k, v, idx, deterministic=False)
 
 
+def test_one_wide_tile_does_not_send_the_forward_per_token(monkeypatch):
+    """The forward's rule is the unions' mean: one tile wider than the limit keeps the tiled forward."""
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(fwd_tiled={"BLOCK_N": 32}, tile_rows=16))
+    q, k, v, _ = make(B=1, S=32, T=64, Hq=4, Hkv=2, Dqk=32, Dv=16, K=5)
+    idx = torch.tensor([0, 1, 2, 3, -1], dtype=torch.int32).expand(1, 32, 5).clone()  # unions of keys 0-3
+    idx[0, 8:16, :4] = torch.arange(32, 64, dtype=torch.int32).view(8, 4)  # but the second tile's: 32 keys
+    monkeypatch.setattr(host, "TILED_FWD_MAX_UNION", 3)  # widest 32 > 15 >= mean (4 + 32 + 4 + 4) / 4 = 11
+    lists, run, _ = host.forward_plan(q, k, v, idx, host.DEFAULT_CONFIG, unique=True)
+    assert lists.tile_q == 8 and lists.idx.shape[2] == 32 and run.tile_q == 8
+    assert_matches_reference(q, k, v, idx, deterministic=False)
+    monkeypatch.setattr(host, "TILED_FWD_MAX_UNION", 2)  # mean 11 > 10: per token
+    assert host.forward_plan(q, k, v, idx, host.DEFAULT_CONFIG, unique=True)[1].tile_q == 0
+
+
 def test_unique_indices_keep_the_query_tiles_and_the_results(monkeypatch):
     """``unique_indices=True`` on selections without repeats: the same query tiles and results, the repeat
     check's host read skipped (``tile_unions``); a non-bool is refused."""
