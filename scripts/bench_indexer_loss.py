@@ -8,6 +8,12 @@ time (what a careful user writes). Writes JSON (``--out``); ``--sweep`` also tim
 (``IndexerKLConfig``).
 
     python scripts/bench_indexer_loss.py --out bench_indexer_loss.json [--sweep]
+    python scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 --out kl_tiles.json
+
+``--tiles`` times the GQA sparse stage's loss instead: the target given (as the attention's backward
+leaves it), a converted SmolLM2's indexer (2 heads x 64) and query tiles (42 queries: its 9 / 3 heads
+in 128-row tiles), forward + backward per query and over the tiles, on two selections: a 1024-key local
+window + 16 sinks + random far keys, and the same with the far keys shared by each block of 64 queries.
 """
 
 from __future__ import annotations
@@ -19,16 +25,17 @@ from pathlib import Path
 
 import torch
 
-from hyscale_hf.benchmarking.inputs import causal_indices, loss_inputs
+from hyscale_hf.benchmarking.inputs import causal_indices, loss_inputs, realistic_selection
 from hyscale_hf.benchmarking.timing import cuda_median_ms
 from hyscale_hf.kernels import indexer_kl_loss
-from hyscale_hf.kernels.indexer_kl import IndexerKLConfig
+from hyscale_hf.kernels.indexer_kl import IndexerKLConfig, indexer_kl_loss_given_target
 from hyscale_hf.kernels.indexer_kl.naive import indexer_kl_loss_reference
 from hyscale_hf.kernels.indexer_kl.op import (
     attention_lse_triton,
     indexer_kl_backward_triton,
     indexer_kl_forward_triton,
 )
+from hyscale_hf.kernels.sparse_attn.host import union_tiles
 
 H, D, K = 32, 128, 2048
 DEVICE = "cuda"
@@ -154,13 +161,47 @@ def bench_one(T, attn, chunk):
     return row
 
 
+def bench_tiles(T: int, heads=2, dim=64, tile_q=128 // 3) -> list[dict]:
+    """Given-target KL fwd + bwd at a small indexer, per query and over query tiles, same inputs."""
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    index = (torch.randn(1, T, heads, dim, device=DEVICE, generator=g).to(torch.bfloat16),
+             torch.randn(1, T, dim, device=DEVICE, generator=g).to(torch.bfloat16),
+             torch.rand(1, T, heads, device=DEVICE, generator=g) + 0.2)
+    rows = []
+    for far_share in (1, 64):
+        idx = realistic_selection(T, K, sinks=16, window=1024, far_share=far_share, device=DEVICE)
+        target = torch.where(idx >= 0, torch.rand(idx.shape, device=DEVICE, generator=g) + 0.05, 0.0)
+        tiles = union_tiles(idx, tile_q, T, unique=True)
+        row = {"T": T, "heads": heads, "dim": dim, "tile_q": tile_q, "far_share": far_share,
+               "union_over_pairs": round(float(tiles.num.sum()) / float((idx >= 0).sum()), 4)}
+        for name, given in (("per_query", None), ("tiled", tiles)):
+            leaves = [t.clone().requires_grad_() for t in index]
+
+            def run(leaves=leaves, given=given, idx=idx, target=target):
+                for t in leaves:
+                    t.grad = None
+                indexer_kl_loss_given_target(*leaves, idx, target, backend="triton", check_range=False,
+                                             tiles=given).backward()
+
+            row[f"{name}_fwd_bwd"] = measure(f"T={T} far_share={far_share} {name}", run, 5)
+        row["speedup"] = round(row["per_query_fwd_bwd"]["ms"] / row["tiled_fwd_bwd"]["ms"], 2)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench_indexer_loss.json"))
     ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 32768])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the chunked torch baseline")
+    ap.add_argument("--tiles", action="store_true", help="the given-target loss per query against over query tiles")
     a = ap.parse_args()
+    if a.tiles:
+        rows = [r for T in a.sizes for r in bench_tiles(T)]
+        a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))
+        return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "H": H, "D": D, "K": K,
                "tiles": dataclasses.asdict(IndexerKLConfig()), "rows": []}
