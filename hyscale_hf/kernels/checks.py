@@ -132,3 +132,16 @@ def resolve_backend(backend: str, device: torch.device, triton_available: bool) 
             "in the environment before importing hyscale_hf to run the kernel under Triton's CPU interpreter"
         )
     return "triton"
+
+
+def check_sorted_rows(indices: torch.Tensor, why: str = "with head_probs") -> None:
+    """Raise unless every row of ``indices`` lists its keys in ascending order with its -1 slots after
+    them (``hytopk``'s rows): query tiles place a key's value by its rank among the row's keys (the
+    attention's head sums, the indexer KL's tiles; one host sync). ``why`` names the option that needs
+    it in the message."""
+    if indices.shape[-1] < 2 or not indices.numel() or torch.compiler.is_compiling() or not has_values(indices):
+        return
+    nxt, cur = indices[..., 1:], indices[..., :-1]
+    if bool(((nxt >= 0) & ((cur < 0) | (nxt <= cur))).any()):
+        raise ValueError(f"indices: {why} every row must list its keys in ascending order, each once, "
+                         "with its -1 slots after them (as hytopk returns them)")

@@ -18,10 +18,10 @@ from ..checks import (
     check_dim,
     check_indices,
     check_same_device,
+    check_sorted_rows,
     check_tensor,
     resolve_backend,
 )
-from ..sparse_attn.head_probs import check_sorted_rows
 from ..sparse_attn.host import KeyLists
 from . import triton_kernels as kernels
 from .masked_dense import fits as masked_dense_fits

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import has_values
-
 
 class HeadProbs:
     """Receives ``P [B, S, K]`` fp32 of one attention call: in its backward on the Triton path (fused
@@ -51,15 +49,3 @@ def prob_sum_pass(q, k, indices, lse, scale: float, backend: str) -> torch.Tenso
 
     return attention_prob_sum(q.detach(), k.detach(), indices, lse.detach(), scale, backend=backend,
                               check_range=False)
-
-
-def check_sorted_rows(indices: torch.Tensor, why: str = "with head_probs") -> None:
-    """Raise unless every row of ``indices`` lists its keys in ascending order with its -1 slots after
-    them (``hytopk``'s rows): query tiles place the head sums by rank (one host sync). ``why`` names
-    the option that needs it in the message."""
-    if indices.shape[-1] < 2 or not indices.numel() or torch.compiler.is_compiling() or not has_values(indices):
-        return
-    nxt, cur = indices[..., 1:], indices[..., :-1]
-    if bool(((nxt >= 0) & ((cur < 0) | (nxt <= cur))).any()):
-        raise ValueError(f"indices: {why} every row must list its keys in ascending order, each once, "
-                         "with its -1 slots after them (as hytopk returns them)")

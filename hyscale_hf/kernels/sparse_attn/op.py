@@ -18,11 +18,12 @@ from ..checks import (
     check_indices,
     check_num_keys,
     check_same_device,
+    check_sorted_rows,
     check_tensor,
     resolve_backend,
 )
 from .forward_op import sparse_attention_forward
-from .head_probs import HeadProbs, check_sorted_rows, prob_sum_pass
+from .head_probs import HeadProbs, prob_sum_pass
 from .host import (
     HAS_TRITON,
     KeyLists,

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hyscale_hf import sparse_attention
+from hyscale_hf.kernels.checks import check_sorted_rows
 from hyscale_hf.kernels.indexer_kl.naive import attention_prob_sum_reference
-from hyscale_hf.kernels.sparse_attn import HeadProbs, SparseAttentionConfig, head_probs, host, op
+from hyscale_hf.kernels.sparse_attn import HeadProbs, SparseAttentionConfig, host, op
 from hyscale_hf.kernels.sparse_attn.naive import sparse_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,7 +98,7 @@ def test_rows_must_be_sorted_unless_the_range_check_is_skipped():
             sparse_attention(q, k, v, bad, head_probs=HeadProbs())
     sparse_attention(q, k, v, shuffled, head_probs=HeadProbs(), check_range=False)  # the caller's word
     sparse_attention(q, k, v, shuffled)  # without head_probs, any order
-    head_probs.check_sorted_rows(idx)
+    check_sorted_rows(idx)
 
 
 def test_head_probs_must_be_a_head_probs():
