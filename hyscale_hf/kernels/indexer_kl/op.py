@@ -32,7 +32,7 @@ from .naive import (
     indexer_kl_loss_reference,
     reduce_kl,
 )
-from .tiled import indexer_kl_backward_tiled, indexer_kl_forward_tiled, tile_shape
+from .tiled import BLOCK_N, indexer_kl_backward_tiled, indexer_kl_forward_tiled, tile_shape
 
 _LOG2E = 1.4426950408889634
 
@@ -163,8 +163,8 @@ def indexer_kl_forward_triton(index_q, index_k, index_w, attn_q, attn_k, indices
                               *, save_target=True, config=None, target=None, tiles=None):
     """Per-query KL [B, S] fp32, plus (P [B, S, K] fp32 or None, Z [B, S], lseI [B, S]) for backward.
     With ``target`` (P given, fp32 [B, S, K]) the attention tensors are not read (pass None for them,
-    and for attn_lse) and P is returned as given; with ``tiles`` too (``_usable_tiles``) the kernel
-    walks the attention's query tiles (``tiled.py``)."""
+    and for attn_lse) and P is returned as given; with ``tiles`` too (query tiles a program holds:
+    ``indexer_kl_loss_given_target`` decides) the kernel walks the attention's query tiles (``tiled.py``)."""
     index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
     index_q, index_k = map(_last_dim_contiguous, (index_q, index_k))
     index_w = _last_dim_contiguous(index_w.float())
@@ -428,9 +428,11 @@ def _check_tiles(tiles, index_q: torch.Tensor) -> None:
         raise ValueError(f"tiles must be query tiles (tile_q >= 1), got per-token lists (tile_q = {tiles.tile_q})")
     n = -(-S // tiles.tile_q)
     union, num, bits = tiles.idx, tiles.num, tiles.bits
-    want = f"union [B={B}, {n}, U], num [B={B}, {n}], bits [{B * n * tiles.tile_q}, W >= U / 32] int32"
+    # the kernels read whole 64-slot blocks of membership words (tiled.BLOCK_N)
+    words = -(-union.shape[2] // BLOCK_N) * BLOCK_N // 32 if union.dim() == 3 else 0
+    want = f"union [B={B}, {n}, U], num [B={B}, {n}], bits [{B * n * tiles.tile_q}, >= {words}] int32"
     ok = (union.dim() == 3 and tuple(union.shape[:2]) == (B, n) and tuple(num.shape) == (B, n)
-          and bits.dim() == 2 and bits.shape[0] == B * n * tiles.tile_q and bits.shape[1] * 32 >= union.shape[2]
+          and bits.dim() == 2 and bits.shape[0] == B * n * tiles.tile_q and bits.shape[1] >= words
           and all(t.dtype == torch.int32 for t in (union, num, bits)))
     if not ok:
         raise ValueError(f"tiles of {tiles.tile_q} queries over S = {S} need {want}; got union "
