@@ -28,7 +28,7 @@ import torch
 from hyscale_hf.benchmarking.inputs import causal_indices, loss_inputs, realistic_selection
 from hyscale_hf.benchmarking.timing import cuda_median_ms
 from hyscale_hf.kernels import indexer_kl_loss
-from hyscale_hf.kernels.indexer_kl import IndexerKLConfig, indexer_kl_loss_given_target
+from hyscale_hf.kernels.indexer_kl import IndexerKLConfig, indexer_kl_loss_given_target, tiled
 from hyscale_hf.kernels.indexer_kl.naive import indexer_kl_loss_reference
 from hyscale_hf.kernels.indexer_kl.op import (
     attention_lse_triton,
@@ -199,6 +199,7 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="the given-target loss per query against over query tiles")
     a = ap.parse_args()
     if a.tiles:
+        tiled.CUDA_ENABLED = True  # timed here before it is on by default (indexer_kl/tiled.py)
         rows = [r for T in a.sizes for r in bench_tiles(T)]
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))
         return

@@ -49,7 +49,7 @@ from hyscale_hf.benchmarking.cli import require_positive
 from hyscale_hf.benchmarking.inputs import realistic_selection
 from hyscale_hf.benchmarking.selections import SelectionCapture, sharing
 from hyscale_hf.benchmarking.trained import check_saved, load_saved, text_ids
-from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target
+from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target, tiled
 from hyscale_hf.kernels.sparse_attn import HeadProbs, SparseAttentionConfig, host
 from hyscale_hf.kernels.sparse_attn.host import union_tiles
 from hyscale_hf.kernels.topk import hytopk_triton
@@ -152,7 +152,8 @@ def time_refine_slacks(inputs: tuple, device, reps: int) -> dict:
 def time_kl(idx: torch.Tensor, inputs: tuple, tile_q: int, device, reps: int) -> dict:
     """The sparse stage's indexer KL from a given target (forward + backward) on a selection, with the
     indexer tensors HyTopK got for it: per query (``per_query_ms``) and over the attention's query tiles
-    of ``tile_q`` queries (``tiled_ms``, what the GQA step runs; the Triton kernels on a GPU)."""
+    of ``tile_q`` queries (``tiled_ms``; on a GPU with ``indexer_kl.tiled.CUDA_ENABLED`` set for it)."""
+    tiled.CUDA_ENABLED = True
     (q, k, w, *_), _ = inputs
     target = torch.where(idx >= 0, torch.rand(idx.shape, device=idx.device, generator=torch.Generator(
         device=idx.device).manual_seed(0)) + 0.05, 0.0)

@@ -27,6 +27,11 @@ import triton.language as tl
 
 from ..sparse_attn.triton_kernels import _member
 
+# The tiled kernels have run only under the Triton interpreter so far (tests/kernels/indexer_kl/
+# test_tiled.py): on CUDA the per-query kernels run until a GPU run has checked these against them
+# (test_gpu.py's tiles test) and timed both (bench_indexer_loss.py --tiles); those two set it True.
+CUDA_ENABLED = False
+
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
 # 128 rows of 128 dims or 256 rows of 64.
 MAX_TILE_ELEMENTS = 256 * 64
@@ -34,7 +39,8 @@ BLOCK_N = 64  # union keys per step: a multiple of 32 (whole membership words)
 
 
 def tile_shape(tile_q: int, H: int, D: int) -> tuple[int, int, int] | None:
-    """``(TQP, HP, BLOCK_D)`` of a program, or None where the tile's rows do not fit one program."""
+    """``(TQP, HP, BLOCK_D)`` of a program, or None where the tile's rows do not fit one program.
+    (On CUDA the caller also asks ``CUDA_ENABLED``.)"""
     tqp, hp, bd = triton.next_power_of_2(max(1, tile_q)), triton.next_power_of_2(max(1, H)), max(16, triton.next_power_of_2(D))
     if tqp * hp < 16 or tqp * hp * bd > MAX_TILE_ELEMENTS:
         return None

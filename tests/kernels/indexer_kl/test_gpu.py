@@ -133,13 +133,15 @@ def test_given_target_matches_the_loss_that_computes_it(attn):
 
 
 @pytest.mark.parametrize("T", [8192, 32768])
-def test_tiles_match_the_per_query_kernels_at_smollm2_shape(T):
+def test_tiles_match_the_per_query_kernels_at_smollm2_shape(T, monkeypatch):
     """The given-target KL over the attention's query tiles (42 queries: SmolLM2's 9 / 3 heads in
     128-row tiles) against the per-query kernels, bf16, a 2 x 64 indexer, K = 2048: the same loss and
     gradients up to fp32 summation order and bf16 products."""
-    from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target
+    from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target, tiled
     from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig
     from hyscale_hf.kernels.sparse_attn.host import union_tiles
+
+    monkeypatch.setattr(tiled, "CUDA_ENABLED", True)  # what this test checks before it is on by default
 
     g = torch.Generator(device=DEVICE).manual_seed(T)
     iq = torch.randn(1, T, 2, 64, device=DEVICE, generator=g).to(torch.bfloat16)
