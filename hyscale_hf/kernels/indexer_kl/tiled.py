@@ -48,10 +48,14 @@ def tile_shape(tile_q: int, H: int, D: int) -> tuple[int, int, int] | None:
 
 
 @triton.jit
-def _tile_setup(IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s,
+def _tile_setup(IQ, IW, IDX, NUM, UNION, BITS, S, H, D, tile_q, n_tiles, max_u, n_words,
+                s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s,
                 TQP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The tile's queries (``tq`` [TQP], which exist, which have a key), its rows' q [TQP * HP, BLOCK_D]
-    and w [TQP * HP], and the rows' (query, head) masks."""
+    """Tile program_id(0) of batch program_id(1): its queries (``tq`` [TQP], which exist, which have a
+    key), its rows' q [TQP * HP, BLOCK_D] and w [TQP * HP] with their (query, head) masks, and its union
+    (key count, row of keys, each query's row of membership words)."""
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     qm = tl.arange(0, TQP)
     tq = p * tile_q + qm
     qmask = (qm < tile_q) & (tq < S)
@@ -66,7 +70,11 @@ def _tile_setup(IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw
     q = tl.load(IQ + b * s_iq_b + t[:, None] * s_iq_s + h[:, None] * s_iq_h + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
     w = tl.load(IW + b * s_iw_b + t * s_iw_s + h, mask=rmask, other=0.0)
-    return qm, tq, qmask, has_key, t, h, rmask, d, dmask, q, w
+    tile = b * n_tiles + p
+    count = tl.load(NUM + tile)
+    union_row = UNION + tile * max_u
+    bits_rows = BITS + (tile * tile_q + qm) * n_words
+    return b, tq, qmask, has_key, t, h, rmask, d, dmask, q, w, count, union_row, bits_rows
 
 
 @triton.jit
@@ -104,15 +112,10 @@ def indexer_kl_fwd_tiled_kernel(
 ):  # fmt: skip
     """Per-query KL, Z and lseI of tile program_id(0) of batch program_id(1) (``indexer_kl_fwd_kernel``
     with ``P_GIVEN``, over the tile's union)."""
-    p = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    qm, tq, qmask, has_key, t, h, rmask, d, dmask, q, w = _tile_setup(
-        IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D
-    )
-    tile = b * n_tiles + p
-    count = tl.load(NUM + tile)
-    union_row = UNION + tile * max_u
-    bits_rows = BITS + (tile * tile_q + qm) * n_words
+    b, tq, qmask, has_key, t, h, rmask, d, dmask, q, w, count, union_row, bits_rows = _tile_setup(
+        IQ, IW, IDX, NUM, UNION, BITS, S, H, D, tile_q, n_tiles, max_u, n_words,
+        s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D,
+    )  # fmt: skip
     m_i = tl.full([TQP], float("-inf"), tl.float32)  # running max of I over the selected keys
     l_i = tl.zeros([TQP], tl.float32)
     z = tl.zeros([TQP], tl.float32)
@@ -151,15 +154,10 @@ def indexer_kl_bwd_tiled_kernel(
 ):  # fmt: skip
     """dq, dw of a tile's rows and its union keys' d index_k (one fp32 atomic add per key and tile):
     ``indexer_kl_bwd_kernel``'s gradients over the tile's union."""
-    p = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    qm, tq, qmask, has_key, t, h, rmask, d, dmask, q, w = _tile_setup(
-        IQ, IW, IDX, b, p, S, H, D, tile_q, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D
-    )
-    tile = b * n_tiles + p
-    count = tl.load(NUM + tile)
-    union_row = UNION + tile * max_u
-    bits_rows = BITS + (tile * tile_q + qm) * n_words
+    b, tq, qmask, has_key, t, h, rmask, d, dmask, q, w, count, union_row, bits_rows = _tile_setup(
+        IQ, IW, IDX, NUM, UNION, BITS, S, H, D, tile_q, n_tiles, max_u, n_words,
+        s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D,
+    )  # fmt: skip
     g = tl.load(GKL + b * s_g_b + tq * s_g_s, mask=qmask, other=0.0).to(tl.float32)
     z = tl.load(Z + b * S + tq, mask=qmask, other=0.0)
     lse_i = tl.load(LSEI + b * S + tq, mask=qmask, other=0.0)
