@@ -127,7 +127,9 @@ def indexer_kl_fwd_tiled_kernel(
             IK, UNION, BITS, P, q, w, b, start, count, union_row, bits_rows, tq, has_key, seen, d, dmask,
             s_ik_b, s_ik_t, s_p_b, s_p_s, RELU, TQP, HP, BLOCK_N, PRECISION,
         )  # fmt: skip
-        z += tl.sum(p_un, axis=1)
+        # Summed through a select, not straight from the load: Triton 3.6's thread-locality pass rewrites
+        # a loop's `acc += sum(load)` and asserts when the accumulator has several uses after the loop.
+        z += tl.sum(tl.where(live, p_un, 0.0), axis=1)
         a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0), axis=1)
         c += tl.sum(tl.where(live, p_un * logit, 0.0), axis=1)
         masked = tl.where(live, logit, float("-inf"))
