@@ -238,12 +238,15 @@ def refine_configs():
 def sweep_configs():
     cfg = HyTopKConfig
     hp = padded_heads(H)
-    if hp < 16:  # small indexers (pick_config's own rule): the scan's rows per program matter most
+    if hp < 16:
+        # Small indexers (pick_config's own rule): the scan's rows per program, and the candidate
+        # buffer's size, which bounds the query rows per chunk (the scan's parallelism) and how many
+        # keys each row stores before its first refine (what the refines and final selection read).
+        base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
         return [
-            (cfg(bq, bn, 4, 2), None)
-            for bq in sorted({max(4, 16 // hp), max(4, 32 // hp), max(4, 64 // hp), max(4, 128 // hp)})
-            for bn in (64, 128)
-        ] + [(cfg(max(4, 32 // hp), 64, 4, 2, lanes=1), None), (cfg(max(4, 32 // hp), 64, 4, 3), None)]
+            (dataclasses.replace(base, BQ=bq, buffer_k=bk), None) for bq in (8, 16, 32) for bk in (8, 4, 2)
+        ] + [(dataclasses.replace(base, BQ=16, buffer_k=2, lanes=1), None),
+             (dataclasses.replace(base, BQ=16, BN=128, buffer_k=4), None)]
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),

@@ -103,6 +103,9 @@ class HyTopKConfig:
     # ``pick_config`` takes 0.1 for small indexers (measured there); 0.5 is the rule the H = 32 tiles
     # were tuned with (0.1 measured the same there).
     refine_slack: float = 0.5
+    # Candidate buffer keys per row, in multiples of K (rounded up to a power of two). It also bounds
+    # the query rows per chunk (SCRATCH_BYTES over the buffer), and so the scan's programs per launch.
+    buffer_k: int = 8
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -114,6 +117,8 @@ class HyTopKConfig:
             raise ValueError(f"HyTopKConfig.gluon_stages must be >= 1, got {self.gluon_stages}")
         if not 0.0 <= self.refine_slack <= 1.0:
             raise ValueError(f"HyTopKConfig.refine_slack must be in [0, 1], got {self.refine_slack}")
+        if self.buffer_k < 2:
+            raise ValueError(f"HyTopKConfig.buffer_k must be >= 2, got {self.buffer_k}")
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -306,7 +311,7 @@ def hytopk_triton(
         # buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072`
         # (16 * K was slower, 170.9 ms: benchmarks/notes.md).
         k_pow2 = triton.next_power_of_2(K)
-        cap = max(8 * k_pow2, k_pow2 + 4 * BN)
+        cap = max(cfg.buffer_k * k_pow2, k_pow2 + 4 * BN)
     k_slots = triton.cdiv(K, BN)
     SC = max(triton.cdiv(cap, BN), k_slots + 2)
     seg = max(1, (SC - k_slots) // 3)

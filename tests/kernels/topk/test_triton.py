@@ -100,6 +100,23 @@ def test_radix_digit_width_out_of_range_is_rejected(bits):
         HyTopKConfig(BQ=2, BN=16, select_bits=bits)
 
 
+def test_buffer_k_below_two_is_rejected():
+    with pytest.raises(ValueError, match="buffer_k"):
+        HyTopKConfig(BQ=2, BN=16, buffer_k=1)
+
+
+@pytest.mark.parametrize("buffer_k", [2, 8])
+def test_buffer_k_sizes_the_candidate_buffer(buffer_k):
+    """The config's buffer size (no ``cap``): a 2 * K buffer refines rows an 8 * K one never does,
+    and both return the exact sets."""
+    q, k, w = adversarial_inputs(8, 320, 4, 16, device=DEV, seed=3)  # 20 key tiles; K = 64: 4 slots deep
+    reset_hytopk_stats()
+    got = hytopk_triton(q, k, w, 64, config=HyTopKConfig(BQ=4, BN=16, CH=8, buffer_k=buffer_k))
+    assert_same(got, hytopk_reference(q, k, w, 64), f"buffer_k={buffer_k}")
+    refined = hytopk_stats()["rows_refined"]
+    assert (refined > 0) if buffer_k == 2 else (refined == 0), refined
+
+
 def test_zero_lanes_is_rejected():
     with pytest.raises(ValueError, match="lanes"):
         HyTopKConfig(BQ=2, BN=16, lanes=0)
