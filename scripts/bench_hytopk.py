@@ -239,14 +239,20 @@ def sweep_configs():
     cfg = HyTopKConfig
     hp = padded_heads(H)
     if hp < 16:
-        # Small indexers (pick_config's own rule): the scan's rows per program, and the candidate
-        # buffer's size, which bounds the query rows per chunk (the scan's parallelism) and how many
-        # keys each row stores before its first refine (what the refines and final selection read).
+        # Small indexers (pick_config's own rule): the scan's rows per program and warps (its
+        # registers allow 4 programs of 4 warps per SM at BQ = 8, 2 x 64 or 4 x 64: 104 registers a
+        # thread, 59 with 8 warps; sm_90 ptxas), and the candidate buffer's size, which bounds the
+        # query rows per chunk (the scan's programs per launch) and how many keys each row stores
+        # before its first refine (what the refines and final selection read).
         base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+        variants = [  # (BQ, num_warps, num_stages, buffer_k)
+            (8, 4, 2, 8), (8, 8, 2, 8), (8, 8, 3, 8), (16, 8, 2, 8), (8, 4, 2, 4), (8, 8, 2, 4),
+            (16, 4, 2, 4), (16, 8, 2, 4), (16, 8, 2, 2), (32, 8, 2, 2),
+        ]
         return [
-            (dataclasses.replace(base, BQ=bq, buffer_k=bk), None) for bq in (8, 16, 32) for bk in (8, 4, 2)
-        ] + [(dataclasses.replace(base, BQ=16, buffer_k=2, lanes=1), None),
-             (dataclasses.replace(base, BQ=16, BN=128, buffer_k=4), None)]
+            (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk), None)
+            for bq, nw, st, bk in variants
+        ]
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
