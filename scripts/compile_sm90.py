@@ -8,14 +8,19 @@ H100. Use the GPU image's Triton, installed beside the project's without touchin
     PYTHONPATH=/tmp/tri36 python scripts/compile_sm90.py tiled_kl
 
 Each preset names kernels, their pointer types and the constexpr values the host code launches them
-with; integer arguments not named are i32. Prints one line per compile: ok with its warps,
-or FAIL with the compiler's last line. Exit status 1 if any failed.
+with; integer arguments not named are i32. Prints one line per compile: ok with its warps, shared
+memory, and the registers and spills Triton's bundled ptxas reports (which set how many programs fit
+on an SM), or FAIL with the compiler's last line. Exit status 1 if any failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -25,15 +30,32 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyscale_hf.kernels.indexer_kl import tiled  # noqa: E402
+from hyscale_hf.kernels.topk import triton_kernels as topk_kernels  # noqa: E402
 
 
-def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: int):
-    """The compiled kernel of ``fn`` for sm_90: ``pointers`` maps argument names to Triton pointer types
-    ("*bf16"), ``constexprs`` gives every constexpr argument; other arguments are i32."""
+def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, options: dict):
+    """The compiled kernel of ``fn`` for sm_90: ``pointers`` maps argument names to Triton types ("*bf16",
+    "tensordesc<bf16[1,64,64]>"), ``constexprs`` gives every constexpr argument; other arguments are
+    i32. ``options``: the launch's compile options (num_warps, num_stages, maxnreg)."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_usage(ptx: str) -> str:
+    """Registers a thread and spill bytes of ``ptx`` as the ptxas bundled with Triton reports them."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        err = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=False).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", err)
+    spills = re.search(r"(\d+) bytes spill stores", err)
+    return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} B spilled"
 
 
 def tiled_kl_cases():
@@ -46,11 +68,24 @@ def tiled_kl_cases():
     for tqp, hp, bd in [(64, 2, 64), (64, 4, 64), (32, 4, 64), (64, 4, 32)]:
         consts = dict(RELU=True, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=tiled.BLOCK_N, PRECISION="tf32")
         for fn, backward in [(tiled.indexer_kl_fwd_tiled_kernel, False), (tiled.indexer_kl_bwd_tiled_kernel, True)]:
-            warps = tiled._launch(tqp, hp, bd, cuda, backward)["num_warps"]
-            yield f"{fn.fn.__name__} TQP={tqp} HP={hp} BLOCK_D={bd}", fn, pointers, consts, warps
+            options = tiled._launch(tqp, hp, bd, cuda, backward)
+            yield f"{fn.fn.__name__} TQP={tqp} HP={hp} BLOCK_D={bd}", fn, pointers, consts, options
 
 
-PRESETS = {"tiled_kl": tiled_kl_cases}
+def hytopk_scan_small_cases():
+    """HyTopK's Triton scan for small indexers (2 x 64, 4 x 64) at the rows per program, warps and
+    stages ``bench_hytopk.py``'s small-indexer sweep times (keys through TMA, a 16K-key buffer)."""
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", k_desc="tensordesc<bf16[1,64,64]>", w_ptr="*fp32",
+                    start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", nan_ptr="*i32", dbg_ptr="*fp32")
+    for hp in (2, 4):
+        for bq, warps, stages in [(8, 4, 2), (8, 8, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2)]:
+            consts = dict(H=hp, HP=hp, D=64, DP=64, BQ=bq, BN=64, SC=256, SEG=74, RELU=True, CHECK_NAN=False,
+                          IEEE=False, UPCAST=False, SCORE_ONLY=False, TMA=True, ASM_STORE=True)
+            label = f"hytopk_scan_kernel H={hp} D=64 BQ={bq} stages={stages}"
+            yield label, topk_kernels.hytopk_scan_kernel, pointers, consts, {"num_warps": warps, "num_stages": stages}
+
+
+PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_cases}
 
 
 def main() -> int:
@@ -60,10 +95,10 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_90")
     failed = 0
     for preset in args.presets:
-        for label, fn, pointers, consts, warps in PRESETS[preset]():
+        for label, fn, pointers, consts, options in PRESETS[preset]():
             try:
-                compile_for_sm90(fn, pointers, consts, warps)
-                print(f"ok    {label}: {warps} warps")
+                k = compile_for_sm90(fn, pointers, consts, options)
+                print(f"ok    {label}: {options['num_warps']} warps, {k.metadata.shared} B shared, {ptxas_usage(k.asm['ptx'])}")
             except Exception as e:  # the compiler's own error, reported per kernel
                 failed += 1
                 print(f"FAIL  {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")

@@ -35,7 +35,11 @@ CUDA_ENABLED = False
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
 # 128 rows of 128 dims or 256 rows of 64.
 MAX_TILE_ELEMENTS = 256 * 64
-BLOCK_N = 64  # union keys per step: a multiple of 32 (whole membership words)
+# Union keys per step: a multiple of 32 (whole membership words). 32, not 64: each [rows, BLOCK_N] fp32
+# block a step holds costs a thread rows * BLOCK_N / threads registers, and at 64 the backward spilled
+# (sm_90 ptxas, 2 x 64 indexer, 42-query tiles: 255 registers and 100 B spilled with 8 warps, against
+# 229 and none at 32; the forward 209 against 115: scripts/compile_sm90.py tiled_kl).
+BLOCK_N = 32
 
 
 def tile_shape(tile_q: int, H: int, D: int) -> tuple[int, int, int] | None:
@@ -196,12 +200,12 @@ def _tile_args(tiles):
 
 
 def _launch(tqp: int, hp: int, bd: int, device: torch.device, backward: bool) -> dict:
-    """Warps of a tile program on CUDA: 8 where its fp32 blocks would crowd 4 warps' registers (the
-    backward holds dq beside three [rows, BLOCK_N] blocks from 128 x 64 up), else 4; the interpreter
-    takes none."""
+    """Warps of a tile program on CUDA: 8 from 128 rows (with 4 the forward spilled at 128 rows x
+    BLOCK_N 64 and the backward, which holds dq beside three [rows, BLOCK_N] blocks, spilled at
+    BLOCK_N 32: sm_90 ptxas), else 4; the interpreter takes none."""
     if device.type != "cuda":
         return {}
-    return {"num_warps": 8 if tqp * hp > 128 or (backward and tqp * hp * bd >= 128 * 64) else 4}
+    return {"num_warps": 8 if tqp * hp >= 128 or (backward and tqp * hp * bd >= 64 * 64) else 4}
 
 
 def indexer_kl_forward_tiled(index_q, index_k, index_w, indices, target, tiles, relu: bool, precision: str):
