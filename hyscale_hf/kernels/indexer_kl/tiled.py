@@ -27,9 +27,10 @@ import triton.language as tl
 
 from ..sparse_attn.triton_kernels import _member
 
-# The tiled kernels have run only under the Triton interpreter so far (tests/kernels/indexer_kl/
-# test_tiled.py): on CUDA the per-query kernels run until a GPU run has checked these against them
-# (test_gpu.py's tiles test) and timed both (bench_indexer_loss.py --tiles); those two set it True.
+# The tiled kernels are checked under the Triton interpreter (tests/kernels/indexer_kl/test_tiled.py)
+# and compile for sm_90 (scripts/compile_sm90.py tiled_kl); on CUDA the per-query kernels run until a
+# GPU run has checked these against them (test_gpu.py's tiles test) and timed both
+# (bench_indexer_loss.py --tiles); those two set it True.
 CUDA_ENABLED = False
 
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
