@@ -44,12 +44,15 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, options: di
 
 
 def ptxas_usage(ptx: str) -> str:
-    """Registers a thread and spill bytes of ``ptx`` as the ptxas bundled with Triton reports them."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    """Registers a thread and spill bytes of ``ptx`` as the ptxas Triton itself assembles sm_90 with
+    reports them (the bundled one that reads this Triton's PTX version)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        err = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+        err = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                              capture_output=True, text=True, check=False).stderr
     finally:
         os.unlink(f.name)
