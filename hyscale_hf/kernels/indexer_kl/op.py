@@ -429,7 +429,7 @@ def _check_tiles(tiles, index_q: torch.Tensor) -> None:
         raise ValueError(f"tiles must be query tiles (tile_q >= 1), got per-token lists (tile_q = {tiles.tile_q})")
     n = -(-S // tiles.tile_q)
     union, num, bits = tiles.idx, tiles.num, tiles.bits
-    # the kernels read whole 64-slot blocks of membership words (tiled.BLOCK_N)
+    # the kernels read the membership words in whole blocks of tiled.BLOCK_N union slots
     words = -(-union.shape[2] // BLOCK_N) * BLOCK_N // 32 if union.dim() == 3 else 0
     want = f"union [B={B}, {n}, U], num [B={B}, {n}], bits [{B * n * tiles.tile_q}, >= {words}] int32"
     ok = (union.dim() == 3 and tuple(union.shape[:2]) == (B, n) and tuple(num.shape) == (B, n)

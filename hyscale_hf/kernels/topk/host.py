@@ -306,7 +306,7 @@ def hytopk_triton(
     # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
     # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
     if cap is None:
-        # 8 * K keys rather than 4 * K: longer segments (fewer scan and refine launches) and fewer
+        # buffer_k = 8 (8 * K keys) rather than 4 for H = 32: longer segments (fewer scan and refine launches) and fewer
         # refines (H200, T = 128K: 192K against 340K per call) outweigh the final selection's larger
         # buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072`
         # (16 * K was slower, 170.9 ms: benchmarks/notes.md).
