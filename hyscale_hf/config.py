@@ -24,6 +24,11 @@ class HyScaleConfig:
             dense models: sized from the attention (``default_indexer_shape``).
         index_head_dim: indexer head dim D. DSA models: ``config.index_head_dim`` (fixed by the
             weights); dense models: sized from the attention.
+        index_share: dense models: an indexer on every ``index_share``-th attention layer (layers 0, n,
+            2n, ...); each of the ``n - 1`` layers after one attends over its selection (IndexShare, as in
+            GLM-5.2's "shared" layers): the selection, its indexer loss and its replay are paid once per
+            group. ``None``: the saved record's value, else 1 (an indexer on every layer). DSA models
+            share as their own config says; anything but None or 1 is refused there.
         relu: apply ReLU to per-head indexer logits before the head-weighted sum. ``None`` follows
             the model family's own code.
         selection_replay: under gradient checkpointing, recompute reuses the forward's indices
@@ -60,6 +65,7 @@ class HyScaleConfig:
     topk: int | None = None
     index_n_heads: int | None = None
     index_head_dim: int | None = None
+    index_share: int | None = None
     relu: bool | None = None
     selection_replay: bool = True
     verify_replay: bool = False
@@ -72,7 +78,7 @@ class HyScaleConfig:
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "tile_tokens"):
+        for name in ("topk", "index_n_heads", "index_head_dim", "index_share", "lm_loss_chunk", "tile_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"HyScaleConfig.{name} must be a positive int or None, got {value!r}")
@@ -80,6 +86,9 @@ class HyScaleConfig:
             raise ValueError(f"HyScaleConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.verify_replay and not self.selection_replay:
             raise ValueError("HyScaleConfig.verify_replay=True needs selection_replay=True (it checks the replayed selection)")
+        if self.index_share not in (None, 1) and not self.selection_replay:
+            raise ValueError("HyScaleConfig.index_share > 1 needs selection_replay=True (a shared layer's checkpoint "
+                             "recompute takes its copy of the source layer's selection from the replay)")
         if not isinstance(self.offload_activations, bool):
             raise ValueError(f"HyScaleConfig.offload_activations must be a bool, got {self.offload_activations!r}")
         if self.offload_activations and not self.selection_replay:

@@ -26,6 +26,7 @@ longer than --step-cap-s). Writes JSON and a PNG plot.
 
     python scripts/bench_e2e.py --out results/            # GPU: T = 16K..128K, then the search
     python scripts/bench_e2e.py --stack smollm2 --arms hyscale dense --seqlens 32768 131072 --search-arms
+    python scripts/bench_e2e.py --stack smollm2 --index-share 2 --arms hyscale dense --seqlens 131072 --search-arms
     python scripts/bench_e2e.py --model /tmp/realmodel --arms hyscale dense --seqlens 32768 131072
     python scripts/bench_e2e.py --tiny --out /tmp/e2e     # CPU smoke run at toy size
 """
@@ -90,8 +91,9 @@ def measure(model, optimizer, ids: torch.Tensor, device, warmup: int, reps: int,
 def run_arm(arm: str, args, dims, device, dtype) -> dict:
     """Timed lengths, then the doubling search for the longest trainable context."""
     rows, longest = [], None
+    share = {} if args.index_share is None else {"index_share": args.index_share}
     model, optimizer = make_arm(args.stack, arm, dims, args.layers, max(args.search_max, max(args.seqlens)), device,
-                                dtype, tile_tokens=args.tile_tokens, saved=args.model)
+                                dtype, tile_tokens=args.tile_tokens, saved=args.model, **share)
     try:
         for T in args.seqlens:
             try:
@@ -227,6 +229,9 @@ def main(argv=None) -> dict:
                    help=f"tile_tokens of the tiled arms (default: {TILE_TOKENS}, 16 with --tiny)")
     p.add_argument("--search-arms", nargs="*", default=None, choices=ARMS,
                    help="arms that run the longest-context search (none: skip it)")
+    p.add_argument("--index-share", type=int, default=None,
+                   help="smollm2 stack: an indexer on every N-th layer in the patched arms, the layers between "
+                        "reusing its selection (HyScaleConfig.index_share; a --model keeps its saved layout)")
     args = p.parse_args(argv)
     if args.model is not None:
         if reason := check_saved(args.model):
@@ -236,6 +241,9 @@ def main(argv=None) -> dict:
         if args.tiny or args.layers:
             p.error("--model: the saved model sets the dims and layers (drop --tiny / --layers)")
     args.stack = args.stack or ("smollm2" if args.model else "glm5")
+    if args.index_share is not None and (args.index_share <= 0 or args.stack == "glm5" or args.model is not None):
+        p.error(f"--index-share {args.index_share}: a positive N, for the random-init smollm2 stack (the glm5 stack's "
+                "and a saved --model's indexer layers are their own)")
     stack = STACKS[args.stack]
     default_arms = [a for a in DEFAULT_ARMS if not (args.stack == "smollm2" and a == "native")]
     args.arms = args.arms or default_arms
@@ -263,7 +271,7 @@ def main(argv=None) -> dict:
         "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "model": args.model, "text": "stdlib sources" if args.model else "random tokens",
         "layers": args.layers, "dims": dims, "seqlens": args.seqlens, "warmup": args.warmup, "reps": args.reps,
-        "loss_chunk": args.loss_chunk, "tile_tokens": args.tile_tokens, "arms": [],
+        "loss_chunk": args.loss_chunk, "tile_tokens": args.tile_tokens, "index_share": args.index_share, "arms": [],
     }
     os.makedirs(args.out, exist_ok=True)
     for arm in args.arms:  # the JSON is rewritten after each arm, so a cut-short run keeps what finished

@@ -13,6 +13,11 @@ How a patched model runs (one model instance; nothing is changed at class level)
   hidden states, then the DSA attention step every patched layer runs (``_dsa_step``: selection with
   ``hytopk``, sparse GQA attention or the dense warm-up, the indexer KL loss during training) over
   the visibility of ``_visibility`` (left and right padding, packed sequences, sliding windows).
+- IndexShare (``HyScaleConfig.index_share = n``): only layers 0, n, 2n, ... (positions in model
+  order) get an indexer; each of the n - 1 layers after such a source attends over the source's
+  selection of the same forward call, which the source leaves in ``PatchState.shared_selections``.
+  A shared layer copies it through ``reuse_indices``, so a replaying checkpoint keeps its own copy,
+  and the group's last layer drops the entry once no recompute can need it (``_IndexShare``).
 - The dense warm-up stage attends over all visible keys with SDPA (a boolean ``[B, 1, S, T]``
   mask only when padding, packing or a window needs one, as the family's own sdpa path does).
 - generate(): the indexer's keys are cached on the KV cache's layer objects (``_dense_cache``).
@@ -34,7 +39,8 @@ from torch import nn
 from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..indexer import LightningIndexer
 from ..records import LiveRecord, set_record
-from ..state import PatchState
+from ..replay import in_replay_checkpoint, replaying
+from ..state import PatchState, in_backward
 from ._cp_attention import cp_attention
 from ._dense_cache import indexer_cache_layer, is_static_layer, static_index_keys, static_query_offset
 from ._dense_weights import RECORD_ATTR, InitWithIndexers, copy_indexer_tensors, load_saved_indexers
@@ -45,6 +51,49 @@ from ._visibility import visibility
 # Floors of the indexer shape: the Triton HyTopK kernels take at least 2 heads of at least 16 dims.
 _MIN_INDEXER_HEADS, _MIN_INDEXER_DIM, _MAX_INDEXER_DIM = 2, 16, 128
 _PREV_FORWARD = "_hyscale_prev_forward"  # an instance forward that was there before (e.g. an accelerate hook)
+_SHARE = "_hyscale_index_share"  # each patched attention module's _IndexShare
+
+
+@dataclass(frozen=True)
+class _IndexShare:
+    """A layer's place in its IndexShare group (``HyScaleConfig.index_share``): positions in model order.
+
+    ``source`` is the group's first layer (the one with an indexer), ``last`` the group's last layer.
+    """
+
+    position: int
+    source: int
+    last: int
+
+    @property
+    def is_source(self) -> bool:
+        return self.position == self.source
+
+    def hand_on(self, state: PatchState, indices: torch.Tensor | None) -> None:
+        """A source layer leaves its selection for the layers after it (not in a recompute: the forward's
+        entry is still there, and a recompute's would outlive the step)."""
+        if self.is_source and self.last > self.position and indices is not None and not in_backward():
+            state.shared_selections[self.source] = indices
+
+    def take(self, state: PatchState, sparse: bool) -> torch.Tensor | None:
+        """A shared layer's copy source: the source's selection of this forward call. It is dropped where no
+        one will read it again: by the group's last layer outside a replaying checkpoint, and in a
+        replaying one by the first shared layer's recompute (backward recomputes the layers last to first)."""
+        if not sparse:  # the dense warm-up: no selection was made
+            return None
+        if in_replay_checkpoint():
+            done = replaying() and self.position == self.source + 1
+        else:
+            done = self.position == self.last
+        indices = state.shared_selections.pop(self.source, None) if done else state.shared_selections.get(self.source)
+        if indices is None:
+            raise RuntimeError(
+                f"hyscale_hf IndexShare: attention layer {self.position} found no selection of its source layer "
+                f"{self.source} (index_share={state.config.index_share}). The layers of one forward call must run in "
+                "order, and a checkpoint recompute needs the replaying non-reentrant checkpoint of "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+            )
+        return indices
 
 
 def default_indexer_shape(num_heads: int, head_dim: int) -> tuple[int, int]:
@@ -88,29 +137,41 @@ class _LayerCall:
         T = key.shape[2]
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        cos_sin = self.position_embeddings if self.position_embeddings is not None else (None, None)
-        iq, ik, iw = module.indexer(self.hidden_states.detach(), *cos_sin)
-        query_offset = None
+        share = getattr(module, _SHARE)
+        index = prev = query_offset = None
+        if share.is_source:
+            cos_sin = self.position_embeddings if self.position_embeddings is not None else (None, None)
+            iq, ik, iw = module.indexer(self.hidden_states.detach(), *cos_sin)
+            if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
+                ik = static_index_keys(self.cache, module.layer_idx, ik)
+            elif self.cache is not None:
+                ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
+            index = (iq, ik, iw)
+        else:  # an IndexShare shared layer: no indexer, its source layer's selection
+            prev = share.take(self.state, not self.state.config.dense_warmup)
         if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
-            ik = static_index_keys(self.cache, module.layer_idx, ik)
             query_offset = static_query_offset(self.cache, module.layer_idx, S)
-        elif self.cache is not None:
-            ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
-        elif T != S:
+        elif self.cache is None and T != S:
             raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
         batch = kwargs.get(BATCH_KWARG)
         if batch is not None:  # context parallelism: this rank's queries over the gathered keys (_cp_attention)
             q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-            k, v, ik = (gather_tokens(t, batch.cp) for t in (k, v, ik))
-            out, _ = cp_attention(lambda a, b, end: GQAAttention(q[:, a:b], k[:, :end], v[:, :end], scaling),
-                                  self.state, batch, batch_size=B, index=(iq, ik, iw), shared=False, prev_indices=None,
-                                  window=sliding_window, training=module.training, device=query.device)
+            k, v = (gather_tokens(t, batch.cp) for t in (k, v))
+            if index is not None:
+                index = (index[0], gather_tokens(index[1], batch.cp), index[2])
+            out, indices = cp_attention(lambda a, b, end: GQAAttention(q[:, a:b], k[:, :end], v[:, :end], scaling),
+                                        self.state, batch, batch_size=B, index=index, shared=not share.is_source,
+                                        prev_indices=prev, window=sliding_window, training=module.training,
+                                        device=query.device)
+            share.hand_on(self.state, indices)
             return out, None
         vis = visibility(attention_mask, kwargs.get("position_ids"), kwargs, B, S, T, sliding_window=sliding_window,
                          query_offset=query_offset, device=query.device)
         attention = GQAAttention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)
-        out, _, weights = dsa_attention(attention, self.state, vis, index=(iq, ik, iw), training=module.training,
-                                        weights=wants_weights(module, kwargs))
+        out, indices, weights = dsa_attention(attention, self.state, vis, index=index, shared=not share.is_source,
+                                              prev_indices=prev, training=module.training,
+                                              weights=wants_weights(module, kwargs))
+        share.hand_on(self.state, indices)
         return out, weights
 
 
@@ -150,6 +211,17 @@ def _on_meta(indexers: dict) -> bool:
     return any(p.device.type == "meta" for m in indexers.values() for p in m.parameters())
 
 
+def _windowed_layers(config, attns: list) -> list[str]:
+    """Names of the attention modules that run a sliding window: by ``config.layer_types`` where the family
+    has it (Qwen2/3), else every layer under ``config.sliding_window`` (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [name for name, m in attns if types[m.layer_idx] == "sliding_attention"]
+    if getattr(config, "sliding_window", None):
+        return [name for name, _ in attns]
+    return [name for name, m in attns if getattr(m, "sliding_window", None)]
+
+
 def make_dense_apply(attention_cls: type, apply_rotary, *, mlp_ends_layer: bool):
     """The ``apply(model, state) -> undo`` of a dense family whose attention class is ``attention_cls``
     and whose RoPE function is ``apply_rotary`` (the family's ``apply_rotary_pos_emb``);
@@ -164,19 +236,29 @@ def make_dense_apply(attention_cls: type, apply_rotary, *, mlp_ends_layer: bool)
             if hasattr(m, "indexer"):
                 raise ValueError(f"{name} already has an attribute 'indexer'; cannot add the hyscale_hf indexer")
         cfg = state.config
-        saved = resolve_indexer_options(cfg, config, default_shape=default_indexer_shape(*_attention_shape(config)))
+        saved = resolve_indexer_options(cfg, config, default_shape=default_indexer_shape(*_attention_shape(config)),
+                                        share_layers=True)
+        n = cfg.index_share
+        windowed = _windowed_layers(config, attns)
+        if n > 1 and windowed:
+            # a sliding-window layer's cache keeps only its window: another layer's key indices do not fit it
+            raise ValueError(f"HyScaleConfig.index_share={n}: IndexShare groups full-attention layers only, and "
+                             f"{windowed[0]} has a sliding window; use index_share=1 with this model")
+        roles = {id(m): _IndexShare(i, i - i % n, min(i - i % n + n, len(attns)) - 1) for i, (_, m) in enumerate(attns)}
         D = cfg.index_head_dim
         # DeepSeek-V3.2 rotates half of the indexer head (64 of 128); never more than the model rotates.
         rope_dim = int((saved or {}).get("rope_dim", 2 * min(_rotary_dim(model) // 2, D // 4)))
         settings = {"topk": cfg.topk, "index_n_heads": cfg.index_n_heads, "index_head_dim": D, "relu": cfg.relu,
-                    "rope_dim": rope_dim}
+                    "rope_dim": rope_dim, "index_share": n}
 
         def prepare(undo: PatchUndo, m: nn.Module) -> None:
             ref = getattr(m.q_proj, "base_layer", m.q_proj).weight  # (PEFT wraps q_proj)
-            undo.set_attr(m, "indexer", LightningIndexer(
-                config.hidden_size, cfg.index_n_heads, D, rope_dim, apply_rotary=apply_rotary,
-                init_std=float(getattr(config, "initializer_range", 0.02)), dtype=ref.dtype, device=ref.device,
-            ))
+            undo.set_attr(m, _SHARE, roles[id(m)])
+            if roles[id(m)].is_source:
+                undo.set_attr(m, "indexer", LightningIndexer(
+                    config.hidden_size, cfg.index_n_heads, D, rope_dim, apply_rotary=apply_rotary,
+                    init_std=float(getattr(config, "initializer_range", 0.02)), dtype=ref.dtype, device=ref.device,
+                ))
             undo.set_attr(m, _PREV_FORWARD, m.__dict__.get("forward"))
 
         def finish(undo: PatchUndo) -> None:
@@ -185,7 +267,7 @@ def make_dense_apply(attention_cls: type, apply_rotary, *, mlp_ends_layer: bool)
                 if callable(getattr(owner, "_init_weights", None)):
                     undo.set_attr(owner, "_init_weights",
                                   InitWithIndexers(owner, LightningIndexer, owner.__dict__.get("_init_weights")))
-            indexers = {name: m.indexer for name, m in attns}
+            indexers = {name: m.indexer for name, m in attns if roles[id(m)].is_source}
             given = state.load_from
             if given is not None and (saved is not None or any(".indexer." in key for key in given)):
                 copy_indexer_tensors(model, indexers, given, "the state_dict passed to patch_model")

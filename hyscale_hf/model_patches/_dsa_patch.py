@@ -1,13 +1,14 @@
 """What patching an attention family involves besides the step: resolving the options, changing the
 model (every change through one undo object) and the model-wide extras.
 
-- ``resolve_indexer_options`` fills ``topk``, ``index_n_heads``, ``index_head_dim`` and ``relu`` of the
+- ``resolve_indexer_options`` fills ``topk``, ``index_n_heads``, ``index_head_dim``, ``index_share`` and ``relu`` of the
   patch's ``HyScaleConfig``, each by one precedence: explicit HyScaleConfig > the saved record
   (``model.config.hyscale_indexer``, written by a dense family's patch and saved to config.json) >
   the model config's ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` > the defaults (topk
   ``DEFAULT_TOPK``, the family's indexer shape and ReLU choice). The shape of indexer weights that
   exist binds: an explicit value that differs from the saved record's, or from a native DSA model's
-  config (``shape_from_weights``), is an error.
+  config (``shape_from_weights``), is an error; so is an explicit ``index_share`` other than the record's
+  (the saved indexers sit on its layers), or other than 1 in a family that cannot choose it.
 - ``PatchUndo`` records each change and restores the model exactly; ``patch_attention`` applies the
   changes every family makes: per-module attributes and instance forward, the attention
   implementation, lean layers, tiled MLPs and norms, the chunked LM loss.
@@ -37,7 +38,8 @@ _MODEL_KEYS = {"topk": "index_topk", "index_n_heads": "index_n_heads", "index_he
 
 
 def resolve_indexer_options(cfg: HyScaleConfig, model_config, *, default_shape: tuple[int, int] | None = None,
-                            default_relu: bool = True, shape_from_weights: bool = False) -> dict | None:
+                            default_relu: bool = True, shape_from_weights: bool = False,
+                            share_layers: bool = False) -> dict | None:
     """Fill ``cfg``'s indexer options in place by the precedence above; returns the saved record (or None).
 
     Args:
@@ -46,8 +48,10 @@ def resolve_indexer_options(cfg: HyScaleConfig, model_config, *, default_shape: 
         default_relu: the family's own ReLU choice.
         shape_from_weights: the model config's ``index_n_heads`` / ``index_head_dim`` describe indexer
             weights the model has (native DSA families).
-    Raises ``ValueError`` (leaving ``cfg`` unchanged) when an explicit shape contradicts existing
-    weights, or the head dim is odd.
+        share_layers: the family places its indexers by ``HyScaleConfig.index_share`` (dense families);
+            others take only None or 1 there (their layout is the model's own).
+    Raises ``ValueError`` (leaving ``cfg`` unchanged) when an explicit shape or ``index_share`` contradicts
+    existing weights, or the head dim is odd.
     """
     saved = saved_record(model_config, RECORD_ATTR)
     if saved is not None and not isinstance(saved, dict):
@@ -68,6 +72,17 @@ def resolve_indexer_options(cfg: HyScaleConfig, model_config, *, default_shape: 
                 f"HyScaleConfig.{name}={explicit} does not match the model's indexer ({name}={from_model[name]}); "
                 "a DSA model's indexer shape is fixed by its weights: leave it None"
             )
+    share = cfg.index_share
+    saved_share = record.get("index_share", 1) if saved is not None else None  # records before the option: 1
+    if not share_layers and share not in (None, 1):
+        raise ValueError(f"HyScaleConfig.index_share={share} applies to dense models converted to DSA; this "
+                         "model's indexer layers (and any IndexShare layers) are fixed by its own config: leave it None")
+    if share_layers and share is not None and saved_share is not None and share != saved_share:
+        raise ValueError(f"HyScaleConfig.index_share={share} differs from the saved indexers' index_share={saved_share} "
+                         f"(model.config.{RECORD_ATTR}); the saved weights sit on that layout")
+    share = int(share or saved_share or 1)
+    if share_layers and share > 1 and not cfg.selection_replay:
+        raise ValueError(f"index_share={share} (saved with the indexers) needs HyScaleConfig.selection_replay=True")
     defaults = dict(zip(("topk", "index_n_heads", "index_head_dim"), (DEFAULT_TOPK, *(default_shape or (None, None)))))
     values = {}
     for name, default in defaults.items():
@@ -79,6 +94,7 @@ def resolve_indexer_options(cfg: HyScaleConfig, model_config, *, default_shape: 
         raise ValueError(f"index_head_dim must be even (RoPE rotates pairs), got {values['index_head_dim']}")
     for name, value in values.items():
         setattr(cfg, name, value)
+    cfg.index_share = share if share_layers else None
     cfg.relu = bool(cfg.relu if cfg.relu is not None else record.get("relu", default_relu))
     return saved
 

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                      f"index_topk, or seq_len / {TOPK_FRACTION} for a dense model]")
     run.add_argument("--index_topk", type=int, help="old name of --topk; give one of the two")
     run.add_argument("--indexer_loss_coef", type=float, help="weight of the indexer KL loss (default: HyScaleConfig's, 1e-3)")
+    run.add_argument("--index_share", type=int, help="dense --model: an indexer on every N-th attention layer, the "
+                     "N - 1 layers after each attending over its selection (HyScaleConfig.index_share; default 1)")
     run.add_argument("--lm_loss_chunk", type=int, help="compute the LM loss this many tokens at a time, so the "
                      "[seq_len, vocab] logits never exist whole (default: off)")
     run.add_argument("--tile_tokens", type=int, help="run each layer's token-wise work (MLPs, norms, a DSA layer's query "
@@ -234,11 +236,11 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, *, on_gp
             setattr(args, key, value)
 
     if args.model is None:
-        for key in ("rope_yarn_factor",):
+        for key in ("rope_yarn_factor", "index_share"):
             if key in args.given:
                 err(f"--{key} applies to a pretrained --model, not the built random-init model")
     positive = ["seq_len", "max_steps", "batch_size", "grad_accum", "logging_steps", "passkey_trials", "eval_tokens",
-                "save_total_limit", "topk", "index_n_heads", "index_head_dim", "lm_loss_chunk", "tile_tokens",
+                "save_total_limit", "topk", "index_n_heads", "index_head_dim", "index_share", "lm_loss_chunk", "tile_tokens",
                 "passkey_length", "cp_size",
                 "eval_steps", "hidden_size", "num_layers"]
     for name in positive:

@@ -36,7 +36,7 @@ TRAINING_ARGS = (
     "model", "tokenizer", "dataset", "dataset_config", "dataset_split", "text_column", "dtype", "preset", "seq_len",
     "max_steps", "dense_pretrain_steps", "dense_warmup_steps", "batch_size", "grad_accum", "lr", "indexer_lr", "topk",
     "indexer_loss_coef", "lm_loss_chunk", "gradient_checkpointing", "seed", "lora_r", "lora_alpha", "lora_dropout",
-    "lora_target_modules", "hidden_size", "num_layers", "index_n_heads", "index_head_dim", "eval_split",
+    "lora_target_modules", "hidden_size", "num_layers", "index_n_heads", "index_head_dim", "index_share", "eval_split",
     "eval_fraction", "eval_tokens", "world_size", "rope_yarn_factor",
 )
 

@@ -235,7 +235,8 @@ def patch(args, model):
     elif getattr(model.config, "index_topk", None) is None:
         overrides["topk"] = max(1, args.seq_len // TOPK_FRACTION)
     if args.model is not None:
-        overrides |= {n: getattr(args, n) for n in ("index_n_heads", "index_head_dim") if getattr(args, n) is not None}
+        overrides |= {n: getattr(args, n) for n in ("index_n_heads", "index_head_dim", "index_share")
+                      if getattr(args, n) is not None}
     hyscale_hf.patch_model(model, **overrides)
     return add_lora(args, model) if args.lora_r > 0 else model
 

@@ -41,6 +41,18 @@ def test_bench_e2e_tiny_smollm2_stack(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_e2e_smollm2_stack_with_shared_selections(tmp_path):
+    """--index-share: the patched arm's indexers on every N-th layer; refused where the layers are fixed."""
+    bench = load_script("bench_e2e")
+    result = bench.main(["--tiny", "--stack", "smollm2", "--index-share", "3", "--arms", "hyscale", "--seqlens", "32",
+                         "--reps", "1", "--warmup", "0", "--search-arms", "--out", str(tmp_path)])
+    assert result["index_share"] == 3 and result["arms"][0]["rows"][0]["step_ms"] > 0
+    for argv in (["--stack", "glm5"], ["--stack", "smollm2", "--index-share", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--tiny", "--index-share", "2", *argv, "--out", str(tmp_path)])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_bench_e2e_on_a_saved_converted_model(tmp_path):
     """--model: the saved model (its dims and layers) on real text, patched and dense, in the same run."""
     folder = tmp_path / "saved"
