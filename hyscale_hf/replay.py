@@ -313,6 +313,14 @@ def in_replay_checkpoint() -> bool:
     return False
 
 
+def placeholder_indices(batch: int, queries: int, device) -> torch.Tensor:
+    """An empty int32 ``[batch, queries, 0]`` for ``reuse_indices`` in a replaying recompute whose source
+    selection is gone (the replay returns the forward's copy whatever the op is given). Made with the
+    dispatch modes off: selective checkpointing refuses ops in a recompute that its forward did not run."""
+    with _disable_current_modes():
+        return torch.empty(batch, queries, 0, dtype=torch.int32, device=device)
+
+
 def replay_context_fn(layer: str = "<checkpointed region>", verify: bool = False) -> ReplayContextFn:
     """The ``context_fn`` for your own checkpoint calls::
 

@@ -39,7 +39,7 @@ from torch import nn
 from ..context_parallel import BATCH_KWARG, gather_tokens
 from ..indexer import LightningIndexer
 from ..records import LiveRecord, set_record
-from ..replay import in_replay_checkpoint, replaying
+from ..replay import in_replay_checkpoint, placeholder_indices, replaying
 from ..state import PatchState, in_backward
 from ._cp_attention import cp_attention
 from ._dense_cache import indexer_cache_layer, is_static_layer, static_index_keys, static_query_offset
@@ -75,10 +75,11 @@ class _IndexShare:
         if self.is_source and self.last > self.position and indices is not None and not in_backward():
             state.shared_selections[self.source] = indices
 
-    def take(self, state: PatchState, sparse: bool) -> torch.Tensor | None:
-        """A shared layer's copy source: the source's selection of this forward call. It is dropped where no
-        one will read it again: by the group's last layer outside a replaying checkpoint, and in a
-        replaying one by the first shared layer's recompute (backward recomputes the layers last to first)."""
+    def take(self, state: PatchState, sparse: bool, query) -> torch.Tensor | None:
+        """A shared layer's copy source: the source's selection of this forward call (``query`` [B, Hq, S, D]:
+        the layer's queries). It is dropped where no one will read it again: by the group's last layer
+        outside a replaying checkpoint, and in a replaying one by the first shared layer's recompute
+        (backward recomputes the layers last to first)."""
         if not sparse:  # the dense warm-up: no selection was made
             return None
         if in_replay_checkpoint():
@@ -86,6 +87,11 @@ class _IndexShare:
         else:
             done = self.position == self.last
         indices = state.shared_selections.pop(self.source, None) if done else state.shared_selections.get(self.source)
+        if indices is None and replaying():
+            # Another forward call ran (and was backpropagated) in between: the replay hands this recompute
+            # its own forward's copy whatever reuse_indices is given. Verify mode's rerun of the copy then
+            # reports the changed holder, as it should: a recompute without the replay would not see it.
+            return placeholder_indices(query.shape[0], query.shape[2], query.device)
         if indices is None:
             raise RuntimeError(
                 f"hyscale_hf IndexShare: attention layer {self.position} found no selection of its source layer "
@@ -148,7 +154,7 @@ class _LayerCall:
                 ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
             index = (iq, ik, iw)
         else:  # an IndexShare shared layer: no indexer, its source layer's selection
-            prev = share.take(self.state, not self.state.config.dense_warmup)
+            prev = share.take(self.state, not self.state.config.dense_warmup, query)
         if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
             query_offset = static_query_offset(self.cache, module.layer_idx, S)
         elif self.cache is None and T != S:

@@ -70,6 +70,23 @@ def test_gradient_checkpointing_replays_shared_selections_and_matches_plain_back
     assert not patch_state(ckpt).shared_selections  # nothing outlives the step
 
 
+def test_two_forwards_then_two_backwards_each_replay_their_own_selection():
+    # The second forward overwrites the source's holder entry and its backward drops it; the first
+    # call's recompute still gets its own forward's copy from the replay.
+    plain = _patched(layers=2, share=2).train()
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    a, b = tokens(1, 10, seed=1), tokens(1, 10, seed=2)
+    for model in (plain, ckpt):
+        la = model(a, labels=a, use_cache=False).loss
+        lb = model(b, labels=b, use_cache=False).loss
+        lb.backward()
+        la.backward()
+    grads = dict(ckpt.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.allclose(grads[name].grad, p.grad, atol=ATOL, rtol=1e-4), name
+
+
 def test_generate_with_a_cache_matches_the_full_forward():
     model = _patched(layers=3, share=2)
     ids = tokens(2, 7)
