@@ -50,8 +50,9 @@ build no autograd graph outside the indexer (``indexer.before_forward``). ``sele
     context_parallel: object | None = None  # hyscale_hf.context_parallel.ContextParallel while enabled
     cp_undo: Callable[[], None] | None = None  # disables it
     # IndexShare in a dense conversion (HyScaleConfig.index_share): each source layer's selection of the
-    # current forward call, by layer position, until the group's last layer has read it (_dense_common)
-    shared_selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    # current forward call (and its indexer output while recall is sampled), by layer position, until no
+    # shared layer can read it again (model_patches._dense_common)
+    shared_selections: dict[int, tuple] = field(default_factory=dict)
 
     def record_indexer_loss(self, loss: torch.Tensor) -> None:
         self.indexer_losses.append(loss.detach())

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S. Stages e2e_smollm2, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained and hytopk_small are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained and hytopk_small are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -67,6 +67,13 @@ for s in $stages; do
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
       stage bench_e2e "${E2E_S:-560}" python3 scripts/bench_e2e.py --out "$RES" ${E2E_ARGS:-} ;;
+    e2e_share)  # IndexShare in the converted stack (issue 23): hyscale with index_share 1, 2 and 3, and dense
+      for n in 1 2 3; do
+        arms=hyscale
+        [ "$n" = 1 ] && arms="hyscale dense"
+        stage "bench_e2e_share$n" "${E2E_S:-300}" python3 scripts/bench_e2e.py --stack smollm2 --index-share "$n" \
+          --arms $arms --seqlens 32768 131072 --reps 2 --search-arms --out "$RES/share$n" ${E2E_SMOLLM2_ARGS:-}
+      done ;;
     e2e_smollm2)  # the converted dense model (SmolLM2-shaped Llama, 30 layers), dense against hyscale
       stage bench_e2e_smollm2 "${E2E_S:-560}" python3 scripts/bench_e2e.py --stack smollm2 --arms hyscale dense \
         --seqlens 32768 131072 --reps 2 --search-arms --out "$RES/smollm2" ${E2E_SMOLLM2_ARGS:-} ;;

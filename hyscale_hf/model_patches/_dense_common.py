@@ -69,37 +69,41 @@ class _IndexShare:
     def is_source(self) -> bool:
         return self.position == self.source
 
-    def hand_on(self, state: PatchState, indices: torch.Tensor | None) -> None:
+    def hand_on(self, state: PatchState, indices: torch.Tensor | None, index: tuple) -> None:
         """A source layer leaves its selection for the layers after it (not in a recompute: the forward's
-        entry is still there, and a recompute's would outlive the step)."""
+        entry is still there, and a recompute's would outlive the step), with its indexer output ``index``
+        while top-k recall is being sampled (the shared layers' recall is the source's selection against
+        their own attention)."""
         if self.is_source and self.last > self.position and indices is not None and not in_backward():
-            state.shared_selections[self.source] = indices
+            recall = tuple(t.detach() for t in index) if state.selection_probe is not None else None
+            state.shared_selections[self.source] = (indices, recall)
 
-    def take(self, state: PatchState, sparse: bool, query) -> torch.Tensor | None:
-        """A shared layer's copy source: the source's selection of this forward call (``query`` [B, Hq, S, D]:
-        the layer's queries). It is dropped where no one will read it again: by the group's last layer
-        outside a replaying checkpoint, and in a replaying one by the first shared layer's recompute
-        (backward recomputes the layers last to first)."""
+    def take(self, state: PatchState, sparse: bool, query) -> tuple[torch.Tensor | None, tuple | None]:
+        """A shared layer's copy source and recall input: the source's selection of this forward call and,
+        while recall is sampled, its indexer output (``query`` [B, Hq, S, D]: the layer's queries). The
+        entry is dropped where no one will read it again: by the group's last layer outside a replaying
+        checkpoint, and in a replaying one by the first shared layer's recompute (backward recomputes the
+        layers last to first)."""
         if not sparse:  # the dense warm-up: no selection was made
-            return None
+            return None, None
         if in_replay_checkpoint():
             done = replaying() and self.position == self.source + 1
         else:
             done = self.position == self.last
-        indices = state.shared_selections.pop(self.source, None) if done else state.shared_selections.get(self.source)
-        if indices is None and replaying():
+        entry = state.shared_selections.pop(self.source, None) if done else state.shared_selections.get(self.source)
+        if entry is None and replaying():
             # Another forward call ran (and was backpropagated) in between: the replay hands this recompute
             # its own forward's copy whatever reuse_indices is given. Verify mode's rerun of the copy then
             # reports the changed holder, as it should: a recompute without the replay would not see it.
-            return placeholder_indices(query.shape[0], query.shape[2], query.device)
-        if indices is None:
+            return placeholder_indices(query.shape[0], query.shape[2], query.device), None
+        if entry is None:
             raise RuntimeError(
                 f"hyscale_hf IndexShare: attention layer {self.position} found no selection of its source layer "
                 f"{self.source} (index_share={state.config.index_share}). The layers of one forward call must run in "
                 "order, and a checkpoint recompute needs the replaying non-reentrant checkpoint of "
                 "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
             )
-        return indices
+        return entry
 
 
 def default_indexer_shape(num_heads: int, head_dim: int) -> tuple[int, int]:
@@ -144,7 +148,7 @@ class _LayerCall:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         share = getattr(module, _SHARE)
-        index = prev = query_offset = None
+        index = prev = recall = query_offset = None
         if share.is_source:
             cos_sin = self.position_embeddings if self.position_embeddings is not None else (None, None)
             iq, ik, iw = module.indexer(self.hidden_states.detach(), *cos_sin)
@@ -154,7 +158,7 @@ class _LayerCall:
                 ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
             index = (iq, ik, iw)
         else:  # an IndexShare shared layer: no indexer, its source layer's selection
-            prev = share.take(self.state, not self.state.config.dense_warmup, query)
+            prev, recall = share.take(self.state, not self.state.config.dense_warmup, query)
         if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
             query_offset = static_query_offset(self.cache, module.layer_idx, S)
         elif self.cache is None and T != S:
@@ -169,15 +173,15 @@ class _LayerCall:
                                         self.state, batch, batch_size=B, index=index, shared=not share.is_source,
                                         prev_indices=prev, window=sliding_window, training=module.training,
                                         device=query.device)
-            share.hand_on(self.state, indices)
+            share.hand_on(self.state, indices, index)
             return out, None
         vis = visibility(attention_mask, kwargs.get("position_ids"), kwargs, B, S, T, sliding_window=sliding_window,
                          query_offset=query_offset, device=query.device)
         attention = GQAAttention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)
         out, indices, weights = dsa_attention(attention, self.state, vis, index=index, shared=not share.is_source,
                                               prev_indices=prev, training=module.training,
-                                              weights=wants_weights(module, kwargs))
-        share.hand_on(self.state, indices)
+                                              weights=wants_weights(module, kwargs), recall_index=recall)
+        share.hand_on(self.state, indices, index)
         return out, weights
 
 

@@ -291,6 +291,7 @@ def dsa_attention(
     weights: bool = False,
     loss_sink: Callable | None = None,
     loss_count: torch.Tensor | None = None,
+    recall_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """One attention step of a patched layer; reads the live ``state.config`` (stage, topk, backend).
 
@@ -310,6 +311,8 @@ def dsa_attention(
             for a layer that sums several calls' losses (``_cp_attention``); None: joined to the output.
         loss_count: the indexer loss's divisor (a sum over this call's queries divided by it), for a loss
             taken over more queries than this call's; None: the mean over this call's counted queries.
+        recall_index: a shared layer's source indexer output (as ``index``), used only by top-k recall
+            sampling: the source's selection against this layer's attention.
 
     Returns:
         ``(output, indices, probabilities)``: indices int32 ``[B, S, K]`` of the sparse stage (None
@@ -323,8 +326,9 @@ def dsa_attention(
     cfg = state.config
     B, S, T = attention.shape
     indices = attended = None  # attended: the keys each query attended to, as indices (None: all visible)
+    recall_index = index if index is not None else recall_index
     compaction = None
-    if index is not None and vis.key_mask is not None:  # a padding mask: select in compacted order
+    if recall_index is not None and vis.key_mask is not None:  # a padding mask: select in compacted order
         compaction = Compaction(vis.key_mask, vis.windows(B, S, T, attention.device)[0], S, vis.query_pos)
     wants_loss = index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0
     carrier = None  # the indexer loss deferred to the attention's backward (_deferred_target)
@@ -342,8 +346,8 @@ def dsa_attention(
     if weights:  # output_attentions: the output comes from the probabilities returned, as in eager attention
         probabilities = layer_weights(attention, attended, vis)
         o = attend_through(probabilities, attention.values()).to(o.dtype)
-    if index is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
-        q_and_k, windows = _dense_inputs(attention, index, vis, compaction)
+    if recall_index is not None:  # top-k recall sampling (a no-op unless a sample is being taken)
+        q_and_k, windows = _dense_inputs(attention, recall_index, vis, compaction)
         observe_selection(state, *q_and_k[:5], scale=attention.scale, relu=cfg.relu, **windows)
     out = o if finish is None else finish(o)
     if carrier is not None:

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from hyscale_hf import patch_model, reset_selection_stats, selection_stats
+from hyscale_hf import patch_model, reset_selection_stats, sample_topk_recall, selection_stats
 from hyscale_hf.state import patch_state
 
 from ._dense_tiny import INDEXER, tiny_model, tokens
@@ -97,6 +97,19 @@ def test_generate_with_a_cache_matches_the_full_forward():
         full = model(out.sequences, use_cache=False).logits
     for step, logits in enumerate(out.logits):
         assert torch.allclose(logits, full[:, ids.shape[1] - 1 + step], atol=ATOL, rtol=1e-4)
+
+
+def test_recall_samples_every_layer_with_its_source_selection():
+    model = _patched(layers=4, share=2)
+    ids = tokens(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: the shared layers' recall in compacted order too
+    with sample_topk_recall(model) as probe, torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert probe.calls == 4
+    recalls = [float(r.mean()) for r, _ in probe.per_layer]
+    assert all(0 < r <= 1 for r in recalls) and len(set(recalls)) > 1
+    assert not patch_state(model).shared_selections
 
 
 def test_dense_warmup_runs_shared_layers_dense():
