@@ -28,9 +28,10 @@ import triton.language as tl
 from ..sparse_attn.triton_kernels import _member
 
 # The tiled kernels are checked under the Triton interpreter (tests/kernels/indexer_kl/test_tiled.py)
-# and compile for sm_90 (scripts/compile_sm90.py tiled_kl); on CUDA the per-query kernels run until a
-# GPU run has checked these against them (test_gpu.py's tiles test) and timed both
-# (bench_indexer_loss.py --tiles); those two set it True.
+# and on an H200 (test_gpu.py's tiles test, which sets this True). They are off on CUDA until a rule
+# picks them per layer: on an H200 they beat the per-query kernels only where a tile's union holds
+# under about 7% of its pairs (2x at 3%, 0.27-0.45x at 17-33%: bench_indexer_loss.py --tiles), and a
+# trained SmolLM2 indexer's layers hold 4-11%.
 CUDA_ENABLED = False
 
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
