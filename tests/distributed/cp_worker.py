@@ -32,6 +32,8 @@ def _model(family: str):
         return model, dict(backend="torch", indexer_loss_coef=1.0)
     from tests.distributed.fsdp2_tiny_train import PATCH, tiny_llama
 
+    if family == "llama_share":  # IndexShare: layer 1 attends over layer 0's selection
+        return tiny_llama(), dict(PATCH, index_share=2)
     return tiny_llama(), dict(PATCH)
 
 
@@ -213,7 +215,7 @@ def bad_inputs() -> dict:
 
 CASES = {
     2: [("glm5", "plain", False), ("glm5", "plain", True), ("glm5", "padded", False), ("llama", "plain", False),
-        ("llama", "padded", False), ("llama", "packed", False), ("llama", "plain", True),
+        ("llama", "padded", False), ("llama", "packed", False), ("llama", "plain", True), ("llama_share", "padded", False),
         ("glm5", "plain", False, 12)],  # tile_tokens: the one-process reference tiles its MLA query side too
     4: [("glm5", "plain", False), ("llama", "packed", False)],
 }
