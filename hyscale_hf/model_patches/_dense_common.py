@@ -16,8 +16,10 @@ How a patched model runs (one model instance; nothing is changed at class level)
 - IndexShare (``HyScaleConfig.index_share = n``): only layers 0, n, 2n, ... (positions in model
   order) get an indexer; each of the n - 1 layers after such a source attends over the source's
   selection of the same forward call, which the source leaves in ``PatchState.shared_selections``.
-  A shared layer copies it through ``reuse_indices``, so a replaying checkpoint keeps its own copy,
-  and the group's last layer drops the entry once no recompute can need it (``_IndexShare``).
+  A shared layer copies it through ``reuse_indices``, so a replaying checkpoint keeps its own copy;
+  the entry is dropped once no shared layer can read it again (``_IndexShare.take``). Top-k recall
+  samples a shared layer as its source's selection against its own attention (not under context
+  parallelism, where only the indexer layers are sampled).
 - The dense warm-up stage attends over all visible keys with SDPA (a boolean ``[B, 1, S, T]``
   mask only when padding, packing or a window needs one, as the family's own sdpa path does).
 - generate(): the indexer's keys are cached on the KV cache's layer objects (``_dense_cache``).
