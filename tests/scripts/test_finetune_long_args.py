@@ -58,6 +58,8 @@ def _error(capsys, argv, on_gpu=False) -> str:
     (["--tiny", "--preset", "cpu"], "--tiny is --preset tiny"),
     (["--tiny", "--rope_yarn_factor", "2"], "--rope_yarn_factor applies to a pretrained --model"),
     (["--rope_yarn_factor", "0.5"], "--rope_yarn_factor must be a number > 1"),
+    (["--tiny", "--index_share", "2"], "--index_share applies to a pretrained --model"),
+    (["--index_share", "0"], "--index_share must be positive"),
     (["--indexer_lr", "-1"], "--indexer_lr must be a positive number"),
     (["--lr", "nan"], "--lr must be a positive number"),
     (["--topk", "8", "--index_topk", "16"], "--topk 8 and --index_topk 16 name the same setting"),
