@@ -26,8 +26,8 @@ class HyScaleConfig:
             weights); dense models: sized from the attention.
         index_share: dense models: an indexer on every ``index_share``-th attention layer (layers 0, n,
             2n, ...); each of the ``n - 1`` layers after one attends over its selection (IndexShare, as in
-            GLM-5.2's "shared" layers): the selection and the indexer loss are paid once per group (each
-            shared layer still keeps its own replayed copy). ``None``: the saved record's value, else 1
+            GLM-5.2's "shared" layers): the selection, the indexer loss and the replayed indices are paid
+            once per group. ``None``: the saved record's value, else 1
             (an indexer on every layer). DSA models share as their own config says; anything but None or
             1 is refused there. Quality depends on the context: BENCHMARKS.md, real model.
         relu: apply ReLU to per-head indexer logits before the head-weighted sum. ``None`` follows

@@ -1,8 +1,9 @@
 """Selection replay: checkpoint recomputation reuses the forward's indices (docs/design.md section 7).
 
 Selections enter the graph only through dispatcher-visible custom ops (``hyscale::hytopk`` for a
-full indexer layer, ``hyscale::reuse_indices`` for an IndexShare layer taking its source layer's
-indices), so a selective-checkpoint policy can save their outputs and the recompute replays them:
+full indexer layer, ``hyscale::shared_selection`` (or, under ``torch.compile``, the copying
+``hyscale::reuse_indices``) for an IndexShare layer taking its source layer's indices), so a
+selective-checkpoint policy can save their outputs and the recompute replays them:
 the indexer and its top-k never run in backward, and backward uses exactly the forward's selection.
 The same policy keeps the sparse attention's output where it is small (``hyscale::sparse_attention_forward``).
 
@@ -19,6 +20,7 @@ each replayed selection and raises ``SelectionReplayMismatch`` if it differs.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -55,9 +57,39 @@ def _(indices):
     return torch.empty_like(indices)
 
 
+# The tensors share_selection hands to shared_selection, by slot, for the duration of one call.
+_SLOTS: dict[int, torch.Tensor] = {}
+_NEXT_SLOT = itertools.count()
+
+
+@torch.library.custom_op("hyscale::shared_selection", mutates_args=())
+def shared_selection(slot: int) -> torch.Tensor:
+    """The indices ``share_selection`` put in ``slot``, returned as they are: no copy. They are no input of
+    the op (it takes none), so the op may return them, and the replay policy's saved copy of its output is
+    then the source's own tensor again: the shared layer's recompute gets its own forward's selection
+    without a second copy in memory."""
+    _SHARED_RUNS["recompute" if in_backward() else "forward"] += 1
+    return _SLOTS[slot]
+
+
+def share_selection(indices: torch.Tensor) -> torch.Tensor:
+    """An IndexShare layer's use of its source layer's ``indices``: through ``shared_selection``, so a
+    replaying checkpoint keeps the very tensor the layer attended over, however its holder changes later
+    (``reuse_indices`` did that with a copy: one more selection in memory per shared layer). Under
+    ``torch.compile`` the copying ``reuse_indices`` (dynamo cannot trace the slot)."""
+    if torch.compiler.is_compiling():
+        return reuse_indices(indices)
+    slot = next(_NEXT_SLOT)
+    _SLOTS[slot] = indices
+    try:
+        return shared_selection(slot)
+    finally:
+        del _SLOTS[slot]
+
+
 # ----------------------------------------------------------------------------- policy
 
-SELECTION_OPS = frozenset({hytopk_op._opoverload, reuse_indices._opoverload})
+SELECTION_OPS = frozenset({hytopk_op._opoverload, reuse_indices._opoverload, shared_selection._opoverload})
 _ATTENTION_FORWARD = sparse_attention_forward_op._opoverload
 
 
@@ -224,8 +256,8 @@ class _ReplayRecomputeMode(_OnTopOf):
 def _check_same_selection(saved: torch.Tensor, fresh: torch.Tensor, func, call: int, layer: str) -> None:
     if saved.shape == fresh.shape and saved.dtype == fresh.dtype and torch.equal(saved, fresh):
         return
-    shared = func is reuse_indices._opoverload
-    what = "IndexShare indices (reuse_indices)" if shared else "HyTopK selection"
+    shared = func in (reuse_indices._opoverload, shared_selection._opoverload)
+    what = "IndexShare indices" if shared else "HyTopK selection"
     if saved.shape != fresh.shape or saved.dtype != fresh.dtype:
         detail = f"saved {tuple(saved.shape)} {saved.dtype}, recomputed {tuple(fresh.shape)} {fresh.dtype}"
     else:
@@ -314,8 +346,8 @@ def in_replay_checkpoint() -> bool:
 
 
 def placeholder_indices(batch: int, queries: int, device) -> torch.Tensor:
-    """An empty int32 ``[batch, queries, 0]`` for ``reuse_indices`` in a replaying recompute whose source
-    selection is gone (the replay returns the forward's copy whatever the op is given). Made with the
+    """An empty int32 ``[batch, queries, 0]`` for ``share_selection`` in a replaying recompute whose source
+    selection is gone (the replay returns the forward's selection whatever the op is given). Made with the
     dispatch modes off: selective checkpointing refuses ops in a recompute that its forward did not run."""
     with _disable_current_modes():
         return torch.empty(batch, queries, 0, dtype=torch.int32, device=device)

@@ -16,7 +16,8 @@ How a patched model runs (one model instance; nothing is changed at class level)
 - IndexShare (``HyScaleConfig.index_share = n``): only layers 0, n, 2n, ... (positions in model
   order) get an indexer; each of the n - 1 layers after such a source attends over the source's
   selection of the same forward call, which the source leaves in ``PatchState.shared_selections``.
-  A shared layer copies it through ``reuse_indices``, so a replaying checkpoint keeps its own copy;
+  A shared layer takes it through ``share_selection``, so a replaying checkpoint keeps it (the tensor
+  itself, no copy) for the layer's recompute;
   the entry is dropped once no shared layer can read it again (``_IndexShare.take``). Top-k recall
   samples a shared layer as its source's selection against its own attention (not under context
   parallelism, where only the indexer layers are sampled).
@@ -95,7 +96,7 @@ class _IndexShare:
         entry = state.shared_selections.pop(self.source, None) if done else state.shared_selections.get(self.source)
         if entry is None and replaying():
             # Another forward call ran (and was backpropagated) in between: the replay hands this recompute
-            # its own forward's copy whatever reuse_indices is given. Verify mode's rerun of the copy then
+            # its own forward's selection whatever share_selection is given. Verify mode's rerun then
             # reports the changed holder, as it should: a recompute without the replay would not see it.
             return placeholder_indices(query.shape[0], query.shape[2], query.device), None
         if entry is None:

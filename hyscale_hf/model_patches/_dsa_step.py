@@ -3,8 +3,8 @@
 A patched layer projects its queries and keys its own way, runs its indexer on detached inputs,
 builds its keys' visibility (``_visibility``), and hands all of it to ``dsa_attention``, which
 
-1. selects: ``hytopk`` on the indexer scores (an IndexShare "shared" layer copies its source layer's
-   indices of the same forward call through ``reuse_indices``; a sliding-window layer without an
+1. selects: ``hytopk`` on the indexer scores (an IndexShare "shared" layer takes its source layer's
+   indices of the same forward call through ``share_selection``; a sliding-window layer without an
    indexer selects its window),
 2. attends over the selection (sparse), or over every visible key (the dense warm-up stage, and
    layers without DSA),
@@ -42,7 +42,7 @@ from ..kernels.indexer_kl import indexer_kl_loss_given_target
 from ..kernels.sparse_attn import HeadProbs
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
-from ..replay import in_replay_checkpoint, replaying, reuse_indices
+from ..replay import in_replay_checkpoint, replaying, share_selection
 from ..state import PatchState, in_backward
 from ..tiling import TileOutput, run_tile, tile_bounds
 from ..training import observe_selection
@@ -518,7 +518,7 @@ def _selection(state: PatchState, vis: Visibility, compaction: Compaction | None
     elif prev_indices is None:
         raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
     else:
-        indices = reuse_indices(prev_indices)
+        indices = share_selection(prev_indices)
     return indices, indices
 
 

@@ -7,7 +7,7 @@ What this family does (Transformers' ``GlmMoeDsaAttention`` / ``GlmMoeDsaIndexer
   it off for GLM-5: pass ``relu=False`` to follow Megatron instead);
 - IndexShare (GLM-5.2): ``config.indexer_types[i]`` is "full" (own indexer) or "shared" (no indexer
   weights; reuses the previous full layer's indices, handed down the decoder layers as
-  ``prev_topk_indices`` within one forward call and copied through ``reuse_indices`` so selective
+  ``prev_topk_indices`` within one forward call and taken through ``share_selection`` so selective
   checkpointing saves them).
 """
 

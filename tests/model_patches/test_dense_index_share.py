@@ -87,6 +87,25 @@ def test_two_forwards_then_two_backwards_each_replay_their_own_selection():
         assert torch.allclose(grads[name].grad, p.grad, atol=ATOL, rtol=1e-4), name
 
 
+def test_shared_layers_attend_over_the_source_tensor_itself(monkeypatch):
+    # No copy per shared layer, in forward or in the checkpoint recompute: the replay keeps one selection a group.
+    from hyscale_hf.model_patches import _dsa_step
+
+    model = _patched(layers=3, share=3).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ptrs, original = [], _dsa_step._selection
+
+    def recording(*args, **kwargs):
+        indices, attended = original(*args, **kwargs)
+        ptrs.append(indices.data_ptr())
+        return indices, attended
+
+    monkeypatch.setattr(_dsa_step, "_selection", recording)
+    ids = tokens(1, 10)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    assert len(ptrs) == 6 and len(set(ptrs)) == 1  # 3 layers, forward and recompute
+
+
 def test_generate_with_a_cache_matches_the_full_forward():
     model = _patched(layers=3, share=2)
     ids = tokens(2, 7)

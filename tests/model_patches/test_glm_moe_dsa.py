@@ -34,8 +34,8 @@ def _record(monkeypatch, name):
 
 
 def test_indexshare_shared_layer_reuses_its_source_of_the_same_forward(monkeypatch):
-    """Layers full/shared/full: the shared layer copies layer 0's indices of the same forward call
-    through reuse_indices, also when checkpoint recomputation re-runs layer 0 in backward."""
+    """Layers full/shared/full: the shared layer attends over layer 0's indices of the same forward call
+    through share_selection, the same tensor (no copy), also in backward's checkpoint recompute."""
     model, config = build(FAMILY, index_topk=4)
     assert config.indexer_types == ["full", "shared", "full"]
     assert model.model.layers[1].self_attn.indexer is None
@@ -43,14 +43,14 @@ def test_indexshare_shared_layer_reuses_its_source_of_the_same_forward(monkeypat
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     selections = _record(monkeypatch, "hytopk")
-    reuses = _record(monkeypatch, "reuse_indices")
+    reuses = _record(monkeypatch, "share_selection")
     x = dsa_checks.tokens(2, 14)
     model(x, labels=x).loss.backward()
     # forward: layers 0 and 2 select, layer 1 reuses; backward recomputes all three layers
     assert len(selections) == 4 and len(reuses) == 2
     forward_source = selections[0][1]
-    for reused_input, copied in reuses:
-        assert reused_input is forward_source and torch.equal(copied, forward_source)
+    for reused_input, shared in reuses:
+        assert reused_input is forward_source and shared.data_ptr() == forward_source.data_ptr()
 
 
 def test_generate_with_a_static_cache_matches_unpatched():
