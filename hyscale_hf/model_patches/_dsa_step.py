@@ -39,7 +39,7 @@ from transformers.modeling_utils import AttentionInterface
 from ..indexer import TiledIndexerLoss, attach_indexer_loss, deferred_indexer_loss, indexer_loss_once
 from ..kernels import hytopk, indexer_kl_loss, mla_sparse_attention, sparse_attention
 from ..kernels.indexer_kl import indexer_kl_loss_given_target
-from ..kernels.sparse_attn import HeadProbs
+from ..kernels.sparse_attn import HeadProbs, reuse_query_tiles
 from ..kernels.sparse_attn.mla_query import absorbed_query
 from ..kernels.windows import chunk_budget_bytes
 from ..replay import in_replay_checkpoint, replaying, share_selection
@@ -102,9 +102,12 @@ class GQAAttention:
         self.head_probs = None  # a HeadProbs the next attend_selected fills (defer_target)
 
     def attend_selected(self, indices: torch.Tensor, backend: str):
-        # the step's own selections (dsa_attention): in range, unique, rows ascending
-        return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend,
-                                check_range=False, unique_indices=True, head_probs=self.head_probs)
+        # the step's own selections (dsa_attention): in range, unique, rows ascending. An IndexShare group's
+        # layers and a replaying recompute attend over the very same tensor: its query tiles are built once.
+        with reuse_query_tiles():
+            return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True,
+                                    backend=backend, check_range=False, unique_indices=True,
+                                    head_probs=self.head_probs)
 
     def attend_window(self, indices: torch.Tensor, backend: str):
         return sparse_attention(self.q, self.k, self.v, indices, scale=self.scale, return_lse=True, backend=backend,

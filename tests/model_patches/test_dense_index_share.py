@@ -106,6 +106,30 @@ def test_shared_layers_attend_over_the_source_tensor_itself(monkeypatch):
     assert len(ptrs) == 6 and len(set(ptrs)) == 1  # 3 layers, forward and recompute
 
 
+def test_a_group_builds_its_query_tiles_once_a_step(monkeypatch):
+    # Triton path (the interpreter on CPU): 3 layers in one group, forward and recompute, one tile build;
+    # the same loss and gradients as building them per call.
+    pytest.importorskip("triton")
+    from hyscale_hf.kernels.sparse_attn import host
+
+    plain = _patched(layers=3, share=3, backend="triton").train()
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reused = copy.deepcopy(plain)
+    ids = tokens(1, 12)
+    builds, original = [], host.union_tiles
+    monkeypatch.setattr(host, "union_tiles", lambda *a, **kw: builds.append(1) or original(*a, **kw))
+    reused_loss = reused(ids, labels=ids, use_cache=False).loss
+    reused_loss.backward()
+    assert len(builds) == 1
+    monkeypatch.setattr(host, "_query_tiles", lambda i, t, n, u: host.union_tiles(i, t, n, unique=u))  # (counted)
+    plain_loss = plain(ids, labels=ids, use_cache=False).loss
+    plain_loss.backward()
+    assert len(builds) == 1 + 6 and torch.equal(reused_loss, plain_loss)
+    grads = dict(reused.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(grads[name].grad, p.grad), name
+
+
 def test_generate_with_a_cache_matches_the_full_forward():
     model = _patched(layers=3, share=2)
     ids = tokens(2, 7)

@@ -4,7 +4,8 @@
 - ``mla.py``: ``mla_sparse_attention``, which rebuilds MLA's absorbed query in backward instead of
   keeping it; ``mla_query.py``: that absorbed query;
 - ``host.py``: the Triton path's host code: ``SparseAttentionConfig`` (tile shapes and kernel
-  variants), key lists, forward and backward launches;
+  variants), key lists (``reuse_query_tiles``: one build for callers attending over one tensor
+  several times), forward and backward launches;
 - ``triton_kernels.py``: the Triton kernels (the design is described there);
   ``mla_forward_gluon.py``: the warp-specialised MLA forward for sm_90; ``tile_unions.py``: the
   query tiles' key unions;
@@ -14,8 +15,8 @@
 """
 
 from .head_probs import HeadProbs
-from .host import SparseAttentionConfig
+from .host import SparseAttentionConfig, reuse_query_tiles
 from .mla import mla_sparse_attention
 from .op import sparse_attention
 
-__all__ = ["sparse_attention", "mla_sparse_attention", "SparseAttentionConfig", "HeadProbs"]
+__all__ = ["sparse_attention", "mla_sparse_attention", "SparseAttentionConfig", "HeadProbs", "reuse_query_tiles"]

@@ -9,6 +9,7 @@ and call ``sparse_attention_bwd``; ``SparseAttentionConfig`` chooses tile shapes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -340,6 +341,46 @@ def token_lists(indices: torch.Tensor) -> KeyLists:
     return KeyLists(indices, extent, indices, 0)
 
 
+class _TileReuse:
+    """State of ``reuse_query_tiles``: how many blocks are open, and the last build made inside one
+    (``(key, indices, tiles)``; the reference to the indices keeps their storage, so its address, taken)."""
+
+    depth = 0
+    last: tuple | None = None
+
+
+@contextlib.contextmanager
+def reuse_query_tiles():
+    """Within the block, a query-tile build over the very same indices (storage, view and version) as the
+    last build made inside such a block takes that build's result instead of building again.
+
+    For callers that attend over one tensor several times: the layers of an IndexShare group, and a
+    replaying checkpoint's recompute, which hands a layer the forward's own tensor (a group then builds
+    its tiles once in forward and once in backward, not once per layer in each). Outside such a block
+    every call builds its own (kernel benchmarks time the build). The last build, with its indices,
+    stays alive until the next build in a block replaces it.
+    """
+    _TileReuse.depth += 1
+    try:
+        yield
+    finally:
+        _TileReuse.depth -= 1
+
+
+def _query_tiles(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool):
+    """``union_tiles``, or inside ``reuse_query_tiles`` the last build's result over the same indices."""
+    if not _TileReuse.depth or torch.compiler.is_compiling():
+        return union_tiles(indices, tile_q, num_keys, unique=unique)
+    key = (indices.device, indices.data_ptr(), tuple(indices.shape), indices.stride(), indices._version,
+           indices.dtype, tile_q, num_keys, unique)
+    if _TileReuse.last is not None and _TileReuse.last[0] == key:
+        return _TileReuse.last[2]
+    _TileReuse.last = None  # the old build's memory before the new one's
+    tiles = union_tiles(indices, tile_q, num_keys, unique=unique)
+    _TileReuse.last = (key, indices, tiles)
+    return tiles
+
+
 def key_lists(
     indices: torch.Tensor, num_keys: int, group: int, wide: bool, config: SparseAttentionConfig | None = None,
     unique: bool = False,
@@ -348,7 +389,7 @@ def key_lists(
     rows = resolve_config(config).tile_rows
     tile_q = rows // group if rows and not wide else 0
     if tile_q >= 2:
-        lists = union_tiles(indices, tile_q, num_keys, unique=unique)
+        lists = _query_tiles(indices, tile_q, num_keys, unique)
         if lists is not None:
             return lists
     return token_lists(indices)

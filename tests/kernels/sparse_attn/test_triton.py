@@ -226,6 +226,28 @@ def test_query_tiles_share_the_union_of_their_keys(Hq, Hkv, rows, deterministic,
     assert_matches_reference(q, k, v, idx, deterministic)
 
 
+def test_query_tiles_are_built_once_for_the_same_indices_inside_reuse_blocks(monkeypatch):
+    # An IndexShare group's layers (and a replaying recompute) pass the very same tensor: one build.
+    builds = []
+    original = host.union_tiles
+    monkeypatch.setattr(host, "union_tiles", lambda *a, **kw: builds.append(1) or original(*a, **kw))
+    monkeypatch.setattr(host._TileReuse, "last", None)
+    idx = distinct_indices(1, 8, 32, 10)
+    assert host.key_lists(idx, 32, 4, wide=False) is not host.key_lists(idx, 32, 4, wide=False)  # outside: builds
+    assert len(builds) == 2
+    with host.reuse_query_tiles():
+        first = host.key_lists(idx, 32, 4, wide=False)
+    with host.reuse_query_tiles():
+        assert host.key_lists(idx.detach(), 32, 4, wide=False) is first  # an alias: same storage and version
+        assert len(builds) == 3
+        assert host.key_lists(idx.clone(), 32, 4, wide=False) is not first  # equal values, other storage
+        assert host.key_lists(idx, 32, 8, wide=False).tile_q == 16  # another tile size
+        assert host.key_lists(idx, 32, 4, wide=False) is not first  # the last build replaced it
+        idx[0, 0, 0] = idx[0, 0, 0]  # written in place: a new version
+        host.key_lists(idx, 32, 4, wide=False)
+    assert len(builds) == 7
+
+
 def test_query_tiles_fall_back_to_per_token_lists_on_a_repeated_key():
     idx = distinct_indices(1, 8, 32, 10)
     assert host.key_lists(idx, 32, 4, wide=False).tile_q == 32
