@@ -150,22 +150,22 @@ class _LayerCall:
         T = key.shape[2]
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
+        if self.cache is None and T != S:
+            raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
+        static = self.cache is not None and is_static_layer(self.cache, module.layer_idx)
+        query_offset = static_query_offset(self.cache, module.layer_idx, S) if static else None
         share = getattr(module, _SHARE)
-        index = prev = recall = query_offset = None
+        index = prev = recall = None
         if share.is_source:
             cos_sin = self.position_embeddings if self.position_embeddings is not None else (None, None)
             iq, ik, iw = module.indexer(self.hidden_states.detach(), *cos_sin)
-            if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
+            if static:
                 ik = static_index_keys(self.cache, module.layer_idx, ik)
             elif self.cache is not None:
                 ik = indexer_cache_layer(self.cache, module.layer_idx).hyscale_update_index_keys(ik, T)
             index = (iq, ik, iw)
         else:  # an IndexShare shared layer: no indexer, its source layer's selection
             prev, recall = share.take(self.state, not self.state.config.dense_warmup, query)
-        if self.cache is not None and is_static_layer(self.cache, module.layer_idx):
-            query_offset = static_query_offset(self.cache, module.layer_idx, S)
-        elif self.cache is None and T != S:
-            raise RuntimeError(f"attention sees {T} keys for {S} queries but no cache was passed to the layer")
         batch = kwargs.get(BATCH_KWARG)
         if batch is not None:  # context parallelism: this rank's queries over the gathered keys (_cp_attention)
             q, k, v = (t.transpose(1, 2) for t in (query, key, value))
