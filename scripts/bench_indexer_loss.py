@@ -199,7 +199,7 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="the given-target loss per query against over query tiles")
     a = ap.parse_args()
     if a.tiles:
-        tiled.CUDA_ENABLED = True  # timed here before it is on by default (indexer_kl/tiled.py)
+        tiled.CUDA_MAX_UNION_SHARE = 1.0  # the tiles at every union width, not only where the rule takes them
         rows = [r for T in a.sizes for r in bench_tiles(T)]
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))
         return

@@ -10,11 +10,19 @@ elementwise and copy ops cost most (the torch op, its innermost frame in hyscale
 torch.optim, and its time): where the glue comes from. Stacks add host overhead to the profiled step,
 so its wall time is then not comparable.
 
+Before the profiled step, ``--host-reps`` unprofiled steps give the step's wall time (``wall_ms``) and the
+host's time to issue it (``host_ms``, before the final synchronise), and one more step lists the calls
+that made the host wait for the GPU (``syncs``, found with ``torch.cuda.set_sync_debug_mode``) by Python
+line. A wall time well above the profiled kernel total means the GPU waited for the host: for Python,
+or at those synchronising calls. ``--host-top N`` then runs one more step under cProfile and lists the N
+Python functions with the most own time (``host_functions``): where the host's time goes.
+
     python scripts/profile_step.py --seqlens 65536 131072 --out results/       # glm5, hyscale arm
     python scripts/profile_step.py --stack smollm2 --arm dense --seqlens 32768  # the dense baseline
     python scripts/profile_step.py --tiny --out /tmp/profile                    # CPU smoke run (aten ops)
     python scripts/profile_step.py --seqlens 65536 --sites 25                   # where the glue comes from
     python scripts/profile_step.py --model /tmp/realmodel --seqlens 131072      # a saved converted model, real text
+    python scripts/profile_step.py --stack smollm2 --index-share 3 --seqlens 32768  # IndexShare, random init
 
 ``--model DIR`` profiles a converted dense model the main job saved (``finetune_long.py --output_dir``)
 instead of the random-init smollm2 stack, on real text (as ``bench_e2e.py --model``): the hyscale arm
@@ -115,10 +123,61 @@ def glue_sites(prof, on_gpu: bool, n: int) -> list[dict]:
     return [{"op": op, "site": site, "ms": ms, "calls": calls} for (op, site), (ms, calls) in ranked]
 
 
+def host_timing(step, device, reps: int) -> dict:
+    """Median over ``reps`` unprofiled steps of the host's time to issue the step (``host_ms``: it
+    includes every wait at a synchronising call) and the step's wall time (``wall_ms``); on a GPU one
+    more step, untimed, lists the synchronising calls (``syncs``) and the Python lines that made them
+    (``sync_sites``: [file:line, count], most frequent first)."""
+    import statistics
+    import warnings
+
+    host, wall = [], []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        sync(device)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    sites = []
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        sync(device)
+        sites = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return {"host_ms": statistics.median(host), "wall_ms": statistics.median(wall),
+            "syncs": len(sites) if device.type == "cuda" else None,
+            "sync_sites": sorted(((s, sites.count(s)) for s in set(sites)), key=lambda kv: -kv[1])[:10]}
+
+
+def host_functions(step, device, n: int) -> list[dict]:
+    """One step under cProfile: the ``n`` Python functions with the most own time (ms, calls), the
+    waits at synchronising calls included (they show as the builtin that waited)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    sync(device)
+    profiler.enable()
+    step()
+    sync(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [{"function": f"{file.split('site-packages/')[-1]}:{line}({name})", "own_ms": own * 1e3,
+             "cum_ms": cum * 1e3, "calls": calls} for (file, line, name), (calls, _, own, cum, _) in ranked]
+
+
 def profile_one(args, T: int, device, dtype, dims) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    model, optimizer = make_arm(args.stack, args.arm, dims, args.layers, T, device, dtype, saved=args.model)
+    share = {} if args.index_share is None else {"index_share": args.index_share}
+    model, optimizer = make_arm(args.stack, args.arm, dims, args.layers, T, device, dtype, saved=args.model, **share)
     if args.tokenizer is not None:
         ids = text_ids(args.tokenizer, T).to(device)
     else:
@@ -131,6 +190,9 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
 
     try:
         step()  # warm-up: compilation, autotuning, allocator
+        host = host_timing(step, device, args.host_reps) if args.host_reps else None
+        if args.host_top:
+            host = {**(host or {}), "host_functions": host_functions(step, device, args.host_top)}
         on_gpu = device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         sync(device)
@@ -154,7 +216,7 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
         by_category[category(name)] = by_category.get(category(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
     row = {
-        "T": T, "profiled_step_wall_ms": wall_ms, "kernel_ms_total": total,
+        "T": T, "profiled_step_wall_ms": wall_ms, "kernel_ms_total": total, "host": host,
         "categories": [{"category": c, "ms": ms, "share": ms / total if total else 0.0}
                        for c, ms in sorted(by_category.items(), key=lambda kv: -kv[1])],
         "top_kernels": [{"name": n, "ms": ms, "category": category(n)} for n, ms in top],
@@ -166,14 +228,23 @@ def profile_one(args, T: int, device, dtype, dims) -> dict:
 
 def report(row: dict, unit: str) -> str:
     lines = [f"T={row['T']}: profiled step {row['profiled_step_wall_ms']:.0f} ms wall, "
-             f"{row['kernel_ms_total']:.0f} ms of {unit}",
-             f"  {'category':<28} {'ms':>9} {'share':>6}"]
+             f"{row['kernel_ms_total']:.0f} ms of {unit}"]
+    host = row.get("host") or {}
+    if "wall_ms" in host:
+        syncs = "" if host["syncs"] is None else f", {host['syncs']} synchronising calls"
+        lines.append(f"  unprofiled step {host['wall_ms']:.0f} ms wall, issued by the host in {host['host_ms']:.0f} ms{syncs}")
+        lines += [f"    {n}x at {site}" for site, n in host["sync_sites"]]
+    lines.append(f"  {'category':<28} {'ms':>9} {'share':>6}")
     lines += [f"  {c['category']:<28} {c['ms']:>9.1f} {100 * c['share']:>5.1f}%" for c in row["categories"]]
     lines.append(f"  top {len(row['top_kernels'])}:")
     lines += [f"  {k['ms']:>9.1f} ms  {k['name'][:90]}  [{k['category']}]" for k in row["top_kernels"]]
     if "glue_sites" in row:
         lines.append(f"  elementwise and copy ops by call site (top {len(row['glue_sites'])}):")
         lines += [f"  {g['ms']:>9.1f} ms {g['calls']:>6}x  {g['op']:<22} {g['site']}" for g in row["glue_sites"]]
+    if host.get("host_functions"):
+        lines.append("  host functions by own time (one step under cProfile):")
+        lines += [f"  {f['own_ms']:>9.1f} ms own {f['cum_ms']:>9.1f} cum {f['calls']:>7}x  {f['function'][-90:]}"
+                  for f in host["host_functions"]]
     return "\n".join(lines)
 
 
@@ -191,6 +262,12 @@ def main(argv=None) -> dict:
     p.add_argument("--top", type=int, default=15, help="kernels listed by time")
     p.add_argument("--sites", type=int, default=0,
                    help="also list the N costliest call sites of elementwise and copy ops (records Python stacks)")
+    p.add_argument("--index-share", type=int, default=None,
+                   help="smollm2 stack: an indexer on every N-th layer, as bench_e2e.py --index-share")
+    p.add_argument("--host-reps", type=int, default=2,
+                   help="unprofiled steps that time the host against the GPU before the profiled one (0: none)")
+    p.add_argument("--host-top", type=int, default=0,
+                   help="one more step under cProfile: list the N Python functions with the most own time")
     p.add_argument("--tiny", action="store_true", help="toy dims on the CPU (smoke test)")
     p.add_argument("--out", default="outputs/profile_step", help="folder for profile_step.json")
     args = p.parse_args(argv)
@@ -201,10 +278,16 @@ def main(argv=None) -> dict:
             p.error("--model: the saved model is the smollm2 stack with its own dims and layers "
                     "(drop --stack / --tiny / --layers)")
     args.stack = args.stack or ("smollm2" if args.model else "glm5")
+    if args.index_share is not None and (args.index_share <= 0 or args.stack != "smollm2" or args.model is not None
+                                         or args.arm == "dense"):
+        p.error(f"--index-share {args.index_share}: a positive N, for a patched arm of the random-init smollm2 stack "
+                "(a saved --model keeps its own indexer layers)")
     if args.stack == "smollm2" and args.arm == "native":
         p.error("--arm native: the smollm2 stack is a dense model (its unpatched arm is 'dense')")
-    if args.top < 1 or args.sites < 0 or args.loss_chunk < 0 or any(T < 2 for T in args.seqlens or [2]):
-        p.error("--top must be >= 1, --sites and --loss-chunk >= 0 and every --seqlens entry >= 2")
+    if args.top < 1 or min(args.sites, args.loss_chunk, args.host_reps, args.host_top) < 0 or any(
+            T < 2 for T in args.seqlens or [2]):
+        p.error("--top must be >= 1, --sites, --loss-chunk, --host-reps and --host-top >= 0 and every --seqlens "
+                "entry >= 2")
     stack = STACKS[args.stack]
     args.layers = args.layers or stack["layers"]
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -216,6 +299,7 @@ def main(argv=None) -> dict:
     args.seqlens = args.seqlens or ([32] if args.tiny else [65536, 131072])
     unit = "GPU kernel time" if device.type == "cuda" else "aten op CPU time"
     result = {"stack": args.stack, "model": args.model, "arm": args.arm, "layers": args.layers,
+              "index_share": args.index_share,
               "loss_chunk": args.loss_chunk, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(dtype), "unit": unit, "rows": []}
     os.makedirs(args.out, exist_ok=True)

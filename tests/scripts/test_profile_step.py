@@ -27,12 +27,20 @@ def test_categories_sort_kernel_names():
 @pytest.mark.parametrize("stack,arm", [("smollm2", "hyscale"), ("smollm2", "dense")])
 def test_profile_step_tiny(tmp_path, stack, arm, capsys):
     chunk = 16 if arm == "dense" else 0  # the LM loss in chunks (bench_e2e's --loss-chunk) on one arm
+    share = ["--index-share", "2", "--host-top", "4"] if arm == "hyscale" else []
     result = _script().main(["--tiny", "--stack", stack, "--arm", arm, "--layers", "2", "--seqlens", "32",
-                             "--top", "5", "--loss-chunk", str(chunk), "--out", str(tmp_path)])
+                             "--top", "5", "--loss-chunk", str(chunk), *share, "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile_step.json").read_text())
     assert saved == json.loads(json.dumps(result)) and saved["loss_chunk"] == chunk
+    assert saved["index_share"] == (2 if arm == "hyscale" else None)
     (row,) = saved["rows"]
     assert row["T"] == 32 and row["kernel_ms_total"] > 0 and len(row["top_kernels"]) == 5
+    host = row["host"]  # the unprofiled steps: no GPU, so no synchronising calls to count
+    assert 0 < host["host_ms"] <= host["wall_ms"] and host["syncs"] is None and host["sync_sites"] == []
+    if arm == "hyscale":  # --host-top: one step under cProfile, its functions by own time
+        funcs = host["host_functions"]
+        assert len(funcs) == 4 and all(f["own_ms"] >= 0 and f["calls"] > 0 for f in funcs)
+        assert [f["own_ms"] for f in funcs] == sorted((f["own_ms"] for f in funcs), reverse=True)
     shares = [c["share"] for c in row["categories"]]
     assert abs(sum(shares) - 1) < 1e-6
     assert "matmuls" in {c["category"] for c in row["categories"]}
@@ -74,6 +82,14 @@ def test_profile_step_rejects_bad_arguments(tmp_path):
         _script().main(["--tiny", "--sites", "-1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         _script().main(["--tiny", "--loss-chunk", "-1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        _script().main(["--tiny", "--host-reps", "-1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        _script().main(["--tiny", "--host-top", "-1", "--out", str(tmp_path)])
+    for share in (["--index-share", "0", "--stack", "smollm2"], ["--index-share", "2"],  # glm5 has its own layout
+                  ["--index-share", "2", "--stack", "smollm2", "--arm", "dense"]):
+        with pytest.raises(SystemExit):
+            _script().main(["--tiny", *share, "--out", str(tmp_path)])
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

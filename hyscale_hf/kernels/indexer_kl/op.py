@@ -33,7 +33,7 @@ from .naive import (
     indexer_kl_loss_reference,
     reduce_kl,
 )
-from .tiled import BLOCK_N, indexer_kl_backward_tiled, indexer_kl_forward_tiled, tile_shape
+from .tiled import BLOCK_N, indexer_kl_backward_tiled, indexer_kl_forward_tiled
 
 _LOG2E = 1.4426950408889634
 
@@ -532,8 +532,9 @@ def indexer_kl_loss_given_target(
             union of keys once instead of every query's keys (``tiled.py``): the same loss and gradients
             up to fp32 summation order. Rows of ``indices`` must then list their keys ascending, each
             once, -1 after them (``hytopk``'s rows; checked with the range). Tiles of more rows (queries
-            x indexer heads) than one program holds, the torch backend, and for now CUDA devices
-            (``tiled.CUDA_ENABLED``: not yet checked on a GPU) use the per-query path.
+            x indexer heads) than one program holds, the torch backend, and on CUDA unions wider than
+            ``tiled.CUDA_MAX_UNION_SHARE`` of a tile's pairs (where the per-query kernels are faster)
+            use the per-query path.
 
     Returns:
         The loss (fp32 scalar, or ``[B, S]`` with ``reduction="none"``), with the gradients of
@@ -560,8 +561,8 @@ def indexer_kl_loss_given_target(
                          "use backend='torch' (the exact reference) for float64")
     target = target.detach()
     if resolve_backend(backend, index_q.device, kernel_dtypes) == "triton":
-        if tiles is not None and (tile_shape(tiles.tile_q, H, D) is None or (index_q.is_cuda and not tiled.CUDA_ENABLED)):
-            tiles = None  # more rows than one program holds, or not yet checked on a GPU: the per-query kernels
+        if tiles is not None and not tiled.takes_tiles(tiles, H, D, indices.shape[2], index_q.device):
+            tiles = None  # more rows than one program holds, or (CUDA) a union too wide: the per-query kernels
         kl = _IndexerKLGivenTarget.apply(index_q, index_k, index_w, indices.contiguous(), target, relu, config, tiles)
         return reduce_kl(kl, (indices >= 0).any(-1), reduction)
     return indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, relu=relu,

@@ -27,12 +27,12 @@ import triton.language as tl
 
 from ..sparse_attn.triton_kernels import _member
 
-# The tiled kernels are checked under the Triton interpreter (tests/kernels/indexer_kl/test_tiled.py)
-# and on an H200 (test_gpu.py's tiles test, which sets this True). They are off on CUDA until a rule
-# picks them per layer: on an H200 they beat the per-query kernels only where a tile's union holds
-# under about 7% of its pairs (2x at 3%, 0.27-0.45x at 17-33%: bench_indexer_loss.py --tiles), and a
-# trained SmolLM2 indexer's layers hold 4-11%.
-CUDA_ENABLED = False
+# On CUDA the tiled kernels run where a tile's union holds at most this share of its pairs (mean union
+# over tile_q x K): on an H200 they beat the per-query kernels only below about 7% (2.0-2.1x at 3%,
+# 0.27-0.45x at 17-33%: bench_indexer_loss.py --tiles), and a trained SmolLM2 indexer's layers hold
+# 4-11%, so the choice is per call. Benchmarks set 1.0 to time them everywhere. Under the interpreter
+# (tests) they run wherever a program holds the tile.
+CUDA_MAX_UNION_SHARE = 0.05
 
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
 # 128 rows of 128 dims or 256 rows of 64.
@@ -45,12 +45,23 @@ BLOCK_N = 32
 
 
 def tile_shape(tile_q: int, H: int, D: int) -> tuple[int, int, int] | None:
-    """``(TQP, HP, BLOCK_D)`` of a program, or None where the tile's rows do not fit one program.
-    (On CUDA the caller also asks ``CUDA_ENABLED``.)"""
+    """``(TQP, HP, BLOCK_D)`` of a program, or None where the tile's rows do not fit one program
+    (``takes_tiles`` also weighs the union on CUDA)."""
     tqp, hp, bd = triton.next_power_of_2(max(1, tile_q)), triton.next_power_of_2(max(1, H)), max(16, triton.next_power_of_2(D))
     if tqp * hp < 16 or tqp * hp * bd > MAX_TILE_ELEMENTS:
         return None
     return tqp, hp, bd
+
+
+def takes_tiles(tiles, H: int, D: int, K: int, device: torch.device) -> bool:
+    """Whether the tiled kernels run over ``tiles`` (a ``sparse_attn`` ``KeyLists``) for K slots a query:
+    a program holds the tile, and on CUDA its union is small enough (``CUDA_MAX_UNION_SHARE``; lists
+    without their mean union take the per-query kernels there)."""
+    if tile_shape(tiles.tile_q, H, D) is None:
+        return False
+    if device.type != "cuda":
+        return True
+    return 0 <= tiles.mean_union <= CUDA_MAX_UNION_SHARE * tiles.tile_q * K
 
 
 @triton.jit

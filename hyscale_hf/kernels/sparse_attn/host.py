@@ -44,9 +44,9 @@ EXTENT_GRAIN = 128
 
 # The tiled forward runs only where the tile unions hold on average at most this many times K keys:
 # each tile walks its own union, so their total is the forward's work. (The widest union once stood
-# for it, read in the sync that sizes the lists; a trained SmolLM2 indexer's layer with unions of 3.0 K
-# on average but one of 4.8 K then ran its whole forward per token, 43 ms at 128K on an H100 where its
-# neighbours' tiled forwards took 17-20 ms. The average needs one more read only past that width.)
+# for it; a trained SmolLM2 indexer's layer with unions of 3.0 K on average but one of 4.8 K then ran its
+# whole forward per token, 43 ms at 128K on an H100 where its neighbours' tiled forwards took 17-20 ms.
+# The average is read in the same host sync as the widest union, which sizes the lists.)
 TILED_FWD_MAX_UNION = 4
 
 
@@ -306,13 +306,16 @@ class KeyLists(NamedTuple):
     tiles) and ``num`` [B, P] int32 how many of its slots a program walks: the union's length, or
     a token row's extent (up to its last key, ``row_extent_kernel``). Tiled lists also carry
     ``bits`` [B * P * tile_q, W] (bit u of a query's row: the query selected union key u);
-    per-token lists pass ``idx`` there.
+    per-token lists pass ``idx`` there. ``mean_union``: keys in a tile's union on average, read in the
+    build's one host sync (the forward and the indexer KL choose their kernels by it without another);
+    -1 where not known (per-token lists, lists rebuilt from saved tensors without it).
     """
 
     idx: torch.Tensor
     num: torch.Tensor
     bits: torch.Tensor
     tile_q: int  # queries per tile; 0 = one program per token
+    mean_union: float = -1.0
 
 
 def union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool = False):
@@ -325,8 +328,13 @@ def union_tiles(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool 
     ``naive.tile_unions_reference``). Returns None when a query lists one key twice (a bit
     cannot count it; the per-token path can).
     """
-    lists = tile_unions(indices, tile_q, num_keys, unique=unique)
-    return None if lists is None else KeyLists(*lists, tile_q)
+    lists = tile_unions(indices, tile_q, num_keys, unique=unique, with_mean=True)
+    return None if lists is None else KeyLists(*lists[:3], tile_q, lists[3])
+
+
+def mean_union(lists: KeyLists) -> float:
+    """Keys in a tile's union on average: the build's own figure, or (lists without it) one host read."""
+    return lists.mean_union if lists.mean_union >= 0 else float(lists.num.float().mean())
 
 
 def token_lists(indices: torch.Tensor) -> KeyLists:
@@ -406,7 +414,7 @@ def forward_plan(q, k, v, indices, config: SparseAttentionConfig, unique: bool =
     lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config, unique=unique)
     run = lists
     limit = TILED_FWD_MAX_UNION * indices.shape[2]
-    if S and lists.tile_q and lists.idx.shape[2] > limit and float(lists.num.float().mean()) > limit:
+    if S and lists.tile_q and lists.idx.shape[2] > limit and mean_union(lists) > limit:
         # Little overlap between neighbouring queries: a tile's product would be mostly masked
         # work, while the per-token forward only moves the selected rows. (The backward still
         # takes the tiles: there a key's contributions sum in registers before one atomic add.)

@@ -45,7 +45,8 @@ class _SparseAttentionFn(torch.autograd.Function):
         o, lse, lists = sparse_attention_forward(q, k, v, indices, scale, config, unique=unique)
         rows = (indices,) if head_probs is not None else ()  # the slots the head sums are placed on
         ctx.save_for_backward(q, k, v, lists.idx, lists.num, lists.bits, o, lse, *rows)
-        ctx.tile_q, ctx.scale, ctx.merge_dv, ctx.deterministic = lists.tile_q, scale, merge_dv, deterministic
+        ctx.tile_q, ctx.mean_union = lists.tile_q, lists.mean_union
+        ctx.scale, ctx.merge_dv, ctx.deterministic = scale, merge_dv, deterministic
         ctx.config, ctx.head_probs = config, head_probs
         ctx.set_materialize_grads(False)
         return o, lse
@@ -55,7 +56,7 @@ class _SparseAttentionFn(torch.autograd.Function):
         q, k, v, idx, num, bits, o, lse, *rows = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        lists = KeyLists(idx, num, bits, ctx.tile_q)
+        lists = KeyLists(idx, num, bits, ctx.tile_q, ctx.mean_union)
         psum = None
         if ctx.head_probs is not None:
             psum = torch.zeros(rows[0].shape, dtype=torch.float32, device=q.device)

@@ -139,8 +139,10 @@ def _tile_bits_kernel(
     tl.atomic_or(DUP + tl.zeros_like(bit), 1, mask=dup, sem="relaxed")  # no atomic without a repeat
 
 
-def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool = False):
+def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool = False, with_mean: bool = False):
     """Triton build of the query tiles' key lists: ``(union, num, bits)`` or None on a repeated key.
+    ``with_mean``: ``(union, num, bits, mean)`` with ``mean`` the keys in a tile's union on average (a
+    float, read in the same host sync as the widest union, which sizes the lists).
 
     ``unique=True``: the caller guarantees that no query lists a key twice (HyTopK's selections), so
     the repeat check and its host read (one GPU sync per call) are skipped; a repeat would then be
@@ -181,7 +183,8 @@ def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool 
 
     for p0, p1 in chunks:
         count(p0, p1)
-    max_u = max(1, int(num.max())) if P else 1
+    widest, total = torch.stack([num.max(), num.sum()]).tolist() if P else (0, 0)  # one host sync, not two
+    max_u = max(1, widest)
     words = 4 * triton.cdiv(max_u, 128)  # whole 128-slot groups, as in the reference
     union = torch.full((P, max_u), -1, dtype=torch.int32, device=dev)
     bits = torch.zeros(P * tile_q, words, dtype=torch.int32, device=dev)
@@ -196,4 +199,5 @@ def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool 
             )  # fmt: skip
     if P and not unique and int(dup.item()):
         return None
-    return union.view(B, n_tiles, max_u), num.view(B, n_tiles), bits
+    lists = union.view(B, n_tiles, max_u), num.view(B, n_tiles), bits
+    return (*lists, total / P if P else 0.0) if with_mean else lists

@@ -90,6 +90,25 @@ def test_tiles_a_program_cannot_hold_take_the_per_query_path(tiled_calls):
     _assert_close(got, _loss_and_grads(index, idx, target))
 
 
+def test_on_cuda_the_tiles_take_only_narrow_unions():
+    """The per-call rule (``takes_tiles``): on CUDA the tiles run where the mean union holds at most
+    ``CUDA_MAX_UNION_SHARE`` of a tile's pairs (tile_q x K), else and without a known mean the per-query
+    kernels; elsewhere wherever a program holds the tile."""
+    _, idx, _, tiles = _case(tile_q=8, H=2)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    K = idx.shape[2]
+    assert tiles.mean_union == pytest.approx(float(tiles.num.float().mean()))
+    share = tiles.mean_union / (8 * K)
+    rule = tiled_module.CUDA_MAX_UNION_SHARE
+    assert tiled_module.takes_tiles(tiles, 2, 16, K, cpu)
+    assert tiled_module.takes_tiles(tiles, 2, 16, K, cuda) == (share <= rule)
+    narrow = tiles._replace(mean_union=rule * 8 * K)
+    assert tiled_module.takes_tiles(narrow, 2, 16, K, cuda)
+    assert not tiled_module.takes_tiles(narrow._replace(mean_union=rule * 8 * K + 1), 2, 16, K, cuda)
+    assert not tiled_module.takes_tiles(narrow._replace(mean_union=-1.0), 2, 16, K, cuda)  # not known
+    assert not tiled_module.takes_tiles(narrow, 32, 128, K, cpu)  # 256 rows x 128 dims: no program holds it
+
+
 def test_bad_tiles_are_named():
     index, idx, target, tiles = _case()
     with pytest.raises(TypeError, match="tiles must be a sparse_attn KeyLists"):

@@ -99,6 +99,14 @@ def test_repeated_key_returns_none(chunked, monkeypatch):
     assert_same(idx, 4, 90)
 
 
+def test_the_mean_union_comes_with_the_lists():
+    idx = random_indices(2, 13, 203, 24, seed=12)
+    *lists, mean = tu.tile_unions(idx, 4, 203, with_mean=True)
+    for a, b in zip(lists, tu.tile_unions(idx, 4, 203)):
+        assert torch.equal(a, b)
+    assert mean == pytest.approx(float(lists[1].float().mean()))
+
+
 def test_unique_selections_skip_the_repeat_check_with_the_same_lists(monkeypatch):
     """``unique=True`` (the caller vouches for no repeats): the same tensors, and the repeat flag is never
     read on the host."""

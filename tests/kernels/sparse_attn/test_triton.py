@@ -278,6 +278,23 @@ def test_one_wide_tile_does_not_send_the_forward_per_token(monkeypatch):
     assert host.forward_plan(q, k, v, idx, host.DEFAULT_CONFIG, unique=True)[1].tile_q == 0
 
 
+def test_the_forward_plan_reads_the_host_once(monkeypatch):
+    """The tile build reads the widest and the mean union in one host sync, and the forward's choice takes
+    that mean (``KeyLists.mean_union``) rather than reading the lists again."""
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(fwd_tiled={"BLOCK_N": 32}, tile_rows=16))
+    monkeypatch.setattr(host, "TILED_FWD_MAX_UNION", 2)  # the widest union (32) is past the limit (10)
+    q, k, v, _ = make(B=1, S=32, T=64, Hq=4, Hkv=2, Dqk=32, Dv=16, K=5)
+    idx = torch.tensor([0, 1, 2, 3, -1], dtype=torch.int32).expand(1, 32, 5).clone()
+    idx[0, 8:16, :4] = torch.arange(32, 64, dtype=torch.int32).view(8, 4)
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _o=original, _n=name: reads.append(_n) or _o(t, *a))
+    lists, run, _ = host.forward_plan(q, k, v, idx, host.DEFAULT_CONFIG, unique=True)
+    assert reads == ["tolist"] and lists.mean_union == 11.0 and run.tile_q == 0  # mean 11 > 10: per token
+    assert host.mean_union(lists._replace(mean_union=-1.0)) == 11.0  # rebuilt lists without it: read once more
+
+
 def test_unique_indices_keep_the_query_tiles_and_the_results(monkeypatch):
     """``unique_indices=True`` on selections without repeats: the same query tiles and results, the repeat
     check's host read skipped (``tile_unions``); a non-bool is refused."""
