@@ -414,7 +414,7 @@ def forward_plan(q, k, v, indices, config: SparseAttentionConfig, unique: bool =
     lists = key_lists(indices, T, group, _is_wide(Dqk, Dv), config, unique=unique)
     run = lists
     limit = TILED_FWD_MAX_UNION * indices.shape[2]
-    if S and lists.tile_q and lists.idx.shape[2] > limit and mean_union(lists) > limit:
+    if S and lists.tile_q and mean_union(lists) > limit:
         # Little overlap between neighbouring queries: a tile's product would be mostly masked
         # work, while the per-token forward only moves the selected rows. (The backward still
         # takes the tiles: there a key's contributions sum in registers before one atomic add.)

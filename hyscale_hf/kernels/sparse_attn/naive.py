@@ -10,6 +10,7 @@ import torch
 
 from ..windows import compute_dtype
 from .mla_query import absorbed_query
+from .union_layout import union_width
 
 
 def gather_keys(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,10 @@ def tile_unions_reference(indices: torch.Tensor, tile_q: int, num_keys: int):
     is ``tile_unions.tile_unions``). indices int32 [B, S, K] (-1 and keys outside
     [0, num_keys) skipped); n = cdiv(S, tile_q) tiles per sequence, the last one padded with empty
     queries. Returns ``(union, num, bits)``: union int32 [B, n, max_u] (each tile's distinct keys
-    ascending, -1 padded; max_u = max(1, widest tile)), num int32 [B, n] (keys per tile) and bits
-    int32 [B * n * tile_q, 4 * cdiv(max_u, 128)] (bit u of a query's row: the query selected union
-    slot u; whole 128-slot groups, so a kernel block of <= 128 slots never reads past a row).
+    ascending, -1 padded; max_u = the widest tile rounded up to whole ``union_layout.UNION_GRAIN``
+    slots), num int32 [B, n] (keys per tile) and bits int32 [B * n * tile_q, max_u / 32] (bit u of a
+    query's row: the query selected union slot u; whole grains, so a kernel block of <= 128 slots
+    never reads past a row).
     Returns None when a query lists one key twice (a bit cannot count it; the per-token path can).
     """
     B, S, K = indices.shape
@@ -80,11 +82,10 @@ def tile_unions_reference(indices: torch.Tensor, tile_q: int, num_keys: int):
     first = new & valid
     slot = torch.cumsum(first, dim=1, dtype=torch.int32) - 1  # union slot of each sorted entry
     num = first.sum(dim=1, dtype=torch.int32)
-    max_u = max(1, int(num.max())) if num.numel() else 1
+    max_u, words = union_width(int(num.max()) if num.numel() else 0)
     rows = torch.arange(B * n_tiles, device=idx.device)[:, None].expand_as(first)
     union = torch.full((B * n_tiles, max_u), -1, dtype=torch.int32, device=idx.device)
     union[rows[first], slot[first].long()] = srt[first]
-    words = 4 * (-(-max_u // 128))
     bit_row = rows * tile_q + order // K  # the query (row of bits) each sorted entry belongs to
     flat = (bit_row * words + (slot // 32))[valid]
     bits = torch.zeros(B * n_tiles * tile_q * words, dtype=torch.int32, device=idx.device)

@@ -13,7 +13,8 @@ forward+backward then. Keys are integers below T, so a per-tile presence bitmap 
    tile's [min, max] key is kept, so later passes walk only that word range.
 2. ``_tile_rank_kernel``: one program per tile; popcount of each word and an exclusive prefix sum
    over the words: ``rank[w]`` = union slot of word w's lowest key; ``num`` = the total.
-3. The host reads ``max_u = num.max()`` (one sync) and allocates ``union`` and ``bits``.
+3. The host reads the widest union (and the mean: one sync) and allocates ``union`` and ``bits``, their
+   width rounded up to whole grains (``union_layout``).
 4. ``_tile_expand_kernel``: one program per tile writes key ``32 w + b`` to slot
    ``rank[w] + popc(word & below(b))``: ascending order, as the sort gave.
 5. ``_tile_bits_kernel``: each entry finds its slot the same way and ORs its bit into its query's
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..bitmap import bit_slot, word_ranks
+from .union_layout import union_width
 
 # Bytes of bitmap + rank scratch one chunk of tiles may use (8 * cdiv(T, 32) bytes per tile):
 # 256 MiB holds all 8192 tiles of T = 128K at tile_q = 16 (B = 1) in one chunk.
@@ -149,9 +151,9 @@ def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool 
     counted once.
 
     indices int32 [B, S, K] (-1 = empty); tiles of ``tile_q`` consecutive queries, n = cdiv(S, tile_q).
-    Returns union int32 [B, n, max_u] (ascending keys, -1 padded; max_u >= 1), num int32 [B, n] and
-    bits int32 [B * n * tile_q, 4 * cdiv(max_u, 128)]; the same tensors as
-    ``naive.tile_unions_reference``.
+    Returns union int32 [B, n, max_u] (ascending keys, -1 padded; max_u: the widest union rounded up to
+    whole ``union_layout.UNION_GRAIN`` slots), num int32 [B, n] and bits int32 [B * n * tile_q, max_u / 32];
+    the same tensors as ``naive.tile_unions_reference``.
     """
     idx = indices.contiguous()
     B, S, K = idx.shape
@@ -184,8 +186,7 @@ def tile_unions(indices: torch.Tensor, tile_q: int, num_keys: int, unique: bool 
     for p0, p1 in chunks:
         count(p0, p1)
     widest, total = torch.stack([num.max(), num.sum()]).tolist() if P else (0, 0)  # one host sync, not two
-    max_u = max(1, widest)
-    words = 4 * triton.cdiv(max_u, 128)  # whole 128-slot groups, as in the reference
+    max_u, words = union_width(widest)  # whole grains: the kernels' arguments keep one pattern (union_layout)
     union = torch.full((P, max_u), -1, dtype=torch.int32, device=dev)
     bits = torch.zeros(P * tile_q, words, dtype=torch.int32, device=dev)
     dup = torch.zeros(1, dtype=torch.int32, device=dev)  # written by the bits kernel; read only without ``unique``

@@ -64,12 +64,12 @@ def test_local_windows_and_partial_last_tile():
 def test_empty_rows_and_tiles():
     idx = torch.full((2, 9, 5), -1, dtype=torch.int32, device=DEVICE)
     union, num, bits = assert_same(idx, 4, 40)
-    assert union.shape == (2, 3, 1) and int(num.max()) == 0 and not bits.any()
+    assert union.shape == (2, 3, 512) and int(num.max()) == 0 and not bits.any()  # one grain (union_layout)
     idx[1, 8, 4] = 39  # one key in the last (one-query) tile of the second sequence
     union, num, _ = assert_same(idx, 4, 40)
-    assert union.shape == (2, 3, 1) and num.tolist() == [[0, 0, 0], [0, 0, 1]]
+    assert union.shape == (2, 3, 512) and num.tolist() == [[0, 0, 0], [0, 0, 1]]
     union, _, bits = assert_same(idx[:, :0], 4, 40)  # no queries at all
-    assert union.shape == (2, 0, 1) and bits.shape == (0, 4)
+    assert union.shape == (2, 0, 512) and bits.shape == (0, 16)
 
 
 def test_non_contiguous_indices():
