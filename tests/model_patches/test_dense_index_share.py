@@ -3,6 +3,7 @@ between attending over its selection."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -106,13 +107,16 @@ def test_shared_layers_attend_over_the_source_tensor_itself(monkeypatch):
     assert len(ptrs) == 6 and len(set(ptrs)) == 1  # 3 layers, forward and recompute
 
 
-def test_a_group_builds_its_query_tiles_once_a_step(monkeypatch):
-    # Triton path (the interpreter on CPU): 3 layers in one group, forward and recompute, one tile build;
-    # the same loss and gradients as building them per call.
+@pytest.mark.parametrize("layers,share", [(3, 3), (4, 2)], ids=["one-group", "two-groups"])
+def test_a_group_builds_its_query_tiles_once_a_step(layers, share, monkeypatch):
+    # Triton path (the interpreter on CPU): a group's layers, forward and recompute, take one tile build
+    # (the forward's build is kept for the recompute, after the other groups' forwards too); the same
+    # loss and gradients as building them per call.
     pytest.importorskip("triton")
     from hyscale_hf.kernels.sparse_attn import host
 
-    plain = _patched(layers=3, share=3, backend="triton").train()
+    monkeypatch.setattr(host._TileReuse, "builds", collections.OrderedDict())
+    plain = _patched(layers=layers, share=share, backend="triton").train()
     plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reused = copy.deepcopy(plain)
     ids = tokens(1, 12)
@@ -120,11 +124,12 @@ def test_a_group_builds_its_query_tiles_once_a_step(monkeypatch):
     monkeypatch.setattr(host, "union_tiles", lambda *a, **kw: builds.append(1) or original(*a, **kw))
     reused_loss = reused(ids, labels=ids, use_cache=False).loss
     reused_loss.backward()
-    assert len(builds) == 1
+    groups = layers // share
+    assert len(builds) == groups
     monkeypatch.setattr(host, "_query_tiles", lambda i, t, n, u: host.union_tiles(i, t, n, unique=u))  # (counted)
     plain_loss = plain(ids, labels=ids, use_cache=False).loss
     plain_loss.backward()
-    assert len(builds) == 1 + 6 and torch.equal(reused_loss, plain_loss)
+    assert len(builds) == groups + 2 * layers and torch.equal(reused_loss, plain_loss)
     grads = dict(reused.named_parameters())
     for name, p in plain.named_parameters():
         assert torch.equal(grads[name].grad, p.grad), name

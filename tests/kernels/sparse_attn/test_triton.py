@@ -6,7 +6,9 @@ bf16 ``tl.dot`` is not faithful (Triton 3.9), and bf16 accuracy is the GPU tests
 BLOCK_N is forced to 16 so that every case runs several key blocks per query.
 """
 
+import collections
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -231,7 +233,7 @@ def test_query_tiles_are_built_once_for_the_same_indices_inside_reuse_blocks(mon
     builds = []
     original = host.union_tiles
     monkeypatch.setattr(host, "union_tiles", lambda *a, **kw: builds.append(1) or original(*a, **kw))
-    monkeypatch.setattr(host._TileReuse, "last", None)
+    monkeypatch.setattr(host._TileReuse, "builds", collections.OrderedDict())
     idx = distinct_indices(1, 8, 32, 10)
     assert host.key_lists(idx, 32, 4, wide=False) is not host.key_lists(idx, 32, 4, wide=False)  # outside: builds
     assert len(builds) == 2
@@ -242,10 +244,37 @@ def test_query_tiles_are_built_once_for_the_same_indices_inside_reuse_blocks(mon
         assert len(builds) == 3
         assert host.key_lists(idx.clone(), 32, 4, wide=False) is not first  # equal values, other storage
         assert host.key_lists(idx, 32, 8, wide=False).tile_q == 16  # another tile size
-        assert host.key_lists(idx, 32, 4, wide=False) is not first  # the last build replaced it
+        assert host.key_lists(idx, 32, 4, wide=False) is first  # still kept beside the two newer builds
         idx[0, 0, 0] = idx[0, 0, 0]  # written in place: a new version
         host.key_lists(idx, 32, 4, wide=False)
-    assert len(builds) == 7
+    assert len(builds) == 6
+
+
+def test_kept_query_tiles_follow_their_indices_and_the_byte_budget(monkeypatch):
+    """Builds of several selections stay for later calls (a recompute after the other groups' forwards),
+    the oldest go past ``KEEP_TILES_BYTES`` and a freed selection's build goes with it: a new tensor at
+    the same address builds its own."""
+    builds = []
+    original = host.union_tiles
+    monkeypatch.setattr(host, "union_tiles", lambda *a, **kw: builds.append(1) or original(*a, **kw))
+    monkeypatch.setattr(host._TileReuse, "builds", collections.OrderedDict())
+    groups = [distinct_indices(1, 8, 32, 10, seed=s) for s in range(3)]
+    with host.reuse_query_tiles():
+        forward = [host.key_lists(g, 32, 4, wide=False) for g in groups]
+        assert [host.key_lists(g, 32, 4, wide=False) for g in reversed(groups)] == forward[::-1]  # the recomputes
+        assert len(builds) == 3
+        one = host._lists_bytes(forward[0])
+        monkeypatch.setattr(host, "KEEP_TILES_BYTES", 2 * one)  # room for two builds
+        host.key_lists(distinct_indices(1, 8, 32, 10, seed=9), 32, 4, wide=False)
+        assert len(host._TileReuse.builds) == 2  # the two least recently used went (groups 2 and 1)
+        assert host.key_lists(groups[0], 32, 4, wide=False) is forward[0] and len(builds) == 4
+        assert host.key_lists(groups[2], 32, 4, wide=False) is not forward[2] and len(builds) == 5
+        monkeypatch.setattr(host, "KEEP_TILES_BYTES", 1 << 30)
+        del groups[2], forward
+        gc.collect()
+        host.key_lists(distinct_indices(1, 8, 32, 10, seed=1), 32, 4, wide=False)  # equal values, new tensor
+        assert len(builds) == 6
+        assert all(ref() is not None for ref, _, _ in host._TileReuse.builds.values())  # the freed one dropped
 
 
 def test_query_tiles_fall_back_to_per_token_lists_on_a_repeated_key():
