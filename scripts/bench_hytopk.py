@@ -248,8 +248,9 @@ def sweep_configs():
         # more rows per chunk and so more queries per program (32: N = 128 product columns at 4 heads).
         base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
         variants = [  # (BQ, num_warps, num_stages, buffer_k, early_refine)
-            (8, 4, 2, 8, False), (8, 4, 2, 8, True), (8, 4, 2, 16, True), (8, 4, 2, 4, True), (16, 8, 2, 8, True),
-            (32, 8, 2, 4, True), (32, 4, 2, 4, True), (64, 8, 2, 2, True), (8, 8, 2, 8, False), (16, 8, 2, 8, False), (8, 4, 2, 4, False),
+            (8, 4, 2, 8, False), (8, 4, 2, 8, True), (8, 4, 2, 16, True), (8, 4, 2, 4, True),
+            (16, 8, 2, 8, True), (32, 8, 2, 4, True), (32, 4, 2, 4, True), (64, 8, 2, 2, True),
+            (8, 8, 2, 8, False), (16, 8, 2, 8, False), (8, 4, 2, 4, False),
         ]
         return [
             (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk, early_refine=er), None)
