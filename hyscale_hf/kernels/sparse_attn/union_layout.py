@@ -3,12 +3,13 @@ reference (``naive.tile_unions_reference``) share.
 
 The union rows are padded to a multiple of ``UNION_GRAIN`` slots rather than to the widest tile. The
 width is data: it differs between layers and steps, and it reaches the kernels as an argument and as
-the strides of ``union`` and ``bits``. Triton compiles a kernel again for each new pattern of its
-integer arguments (divisible by 16 or not), so exact widths made new compiles of the tiled attention
-and indexer KL kernels appear whenever a step drew a new pattern, long after the first steps: on an H100
-a converted SmolLM2's 32K step took 686 ms, then 2286 ms in the next step of the same run. With the
-grain, the width and the bit words are always multiples of 16. The padding costs 2 KB of ``union`` per
-tile and at most 60 bytes of ``bits`` per query; kernels walk ``num`` keys, never the padding.
+the strides of ``union`` and ``bits``. Triton specialises a kernel on whether each integer argument is
+divisible by 16 and compiles it again for each new pattern, so with exact widths the tiled attention
+and indexer KL kernels could compile anew whenever a step drew a new pattern, long after the first
+steps. (On an H100 a converted SmolLM2's 32K step took 686 ms, then 2286 ms in the next step of the
+same run; such compiles fit that, but it was not confirmed.) With the grain the width and the bit
+words are always multiples of 16. The padding costs at most 2 KB of ``union`` per tile and 60 bytes
+of ``bits`` per query; kernels walk ``num`` keys, never the padding.
 """
 
 from __future__ import annotations
