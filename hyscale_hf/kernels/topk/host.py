@@ -110,8 +110,8 @@ class HyTopKConfig:
     # a slot is full. The first segment walks the tiles next to the diagonal, so the row's threshold
     # becomes the K-th of its most recent keys early: fewer keys are appended later, and the later
     # refines and the final selection read fewer. Without it a row's first refine waits for a full
-    # slot, which with the 8 x K buffer rows of up to ~11K keys never reach: every visible key is
-    # appended and the final selection reads them all. Off until measured on a GPU.
+    # slot, which rows of fewer than ~11K keys never reach with the 8 x K buffer (K = 2048): all their
+    # visible keys are appended and the final selection reads them all. Off until measured on a GPU.
     early_refine: bool = False
 
     def __post_init__(self):
