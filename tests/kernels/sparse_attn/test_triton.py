@@ -252,8 +252,8 @@ def test_query_tiles_are_built_once_for_the_same_indices_inside_reuse_blocks(mon
 
 def test_kept_query_tiles_follow_their_indices_and_the_byte_budget(monkeypatch):
     """Builds of several selections stay for later calls (a recompute after the other groups' forwards),
-    the oldest go past ``KEEP_TILES_BYTES`` and a freed selection's build goes with it: a new tensor at
-    the same address builds its own."""
+    the least recently used go past ``KEEP_TILES_BYTES``, and a freed selection's build goes with it (a
+    new tensor of equal values builds its own)."""
     builds = []
     original = host.union_tiles
     monkeypatch.setattr(host, "union_tiles", lambda *a, **kw: builds.append(1) or original(*a, **kw))
