@@ -27,9 +27,9 @@ class HyScaleConfig:
         index_share: dense models: an indexer on every ``index_share``-th attention layer (layers 0, n,
             2n, ...); each of the ``n - 1`` layers after one attends over its selection (IndexShare, as in
             GLM-5.2's "shared" layers): the selection, the indexer loss and the replayed indices are paid
-            once per group. ``None``: the saved record's value, else 1
-            (an indexer on every layer). DSA models share as their own config says; anything but None or
-            1 is refused there. Quality depends on the context: BENCHMARKS.md, real model.
+            once per group. ``None``: the saved record's value, else 1 (an indexer on every layer). DSA
+            models share as their own config says; anything but None or 1 is refused there. Quality
+            depends on the context: BENCHMARKS.md, real model.
         relu: apply ReLU to per-head indexer logits before the head-weighted sum. ``None`` follows
             the model family's own code.
         selection_replay: under gradient checkpointing, recompute reuses the forward's indices

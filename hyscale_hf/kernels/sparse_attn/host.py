@@ -353,9 +353,10 @@ def token_lists(indices: torch.Tensor) -> KeyLists:
 
 # Bytes of query-tile builds ``reuse_query_tiles`` keeps for later calls over the same indices. A
 # replaying checkpoint's recompute attends over the forward's own selection, so a build kept from the
-# forward spares the recompute its build (tile bitmaps: about 2.4 ms a build at 32K and 8 ms at 128K for
-# a converted SmolLM2 on an H100) and its host sync. A group's build is ~23 MB at 32K and ~180 MB at
-# 128K (union + membership bits); the newest builds stay, which are the first recomputed.
+# forward spares the recompute its build and its host sync (a converted SmolLM2's step on an H100 spent
+# 48 / 161 ms at 32K / 128K on the tile bitmaps of its 19 builds: BENCHMARKS.md). A build holds
+# 4 bytes x (S / tile_q + S / 32) x the union width: about 0.18 GB for 128K queries in 42-query tiles
+# with 6K-key unions. The newest builds stay, which are the first recomputed.
 KEEP_TILES_BYTES = 1 << 30
 
 
