@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyscale_hf.kernels.indexer_kl import tiled  # noqa: E402
+from hyscale_hf.kernels.sparse_attn import tile_head_probs  # noqa: E402
 from hyscale_hf.kernels.topk import triton_kernels as topk_kernels  # noqa: E402
 
 
@@ -88,7 +89,22 @@ def hytopk_scan_small_cases():
             yield label, topk_kernels.hytopk_scan_kernel, pointers, consts, {"num_warps": warps, "num_stages": stages}
 
 
-PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_cases}
+def tile_head_probs_cases():
+    """The query tiles' head sums (``tile_head_probs``, q through TMA) at SmolLM2's shape (9 / 3 heads,
+    42-query tiles, D 64) and a 16 x 64 model past ``host.TILE_PROBS_MAX_WIDTH``, at the key blocks and
+    warps ``bench_head_probs.py`` compares. Unit strides are constexprs, as Triton specialises them."""
+    for hkv, group in [(3, 3), (4, 4)]:
+        for block_n, warps in [(64, 8), (64, 4), (128, 8)]:
+            pointers = dict(Q="*bf16", Q_DESC="tensordesc<bf16[1,64,1,64]>", K="*bf16", IDX="*i32", NUM="*i32",
+                            BITS="*i32", LSE="*fp32", PSUM="*fp32")
+            consts = dict(HKV=hkv, GROUP=group, D1=64, D2=0, BLOCK_M=64, BLOCK_N=block_n, DOT_PREC="tf32", TMA=True,
+                          stride_qd=1, stride_kd=1, stride_ik=1, stride_pk=1)
+            label = f"tile_head_probs_kernel {hkv * group} x 64 BLOCK_N={block_n}"
+            yield label, tile_head_probs.tile_head_probs_kernel, pointers, consts, {"num_warps": warps, "num_stages": 2}
+
+
+PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_cases,
+           "tile_head_probs": tile_head_probs_cases}
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference 
 
     from . import triton_kernels as kernels
     from .key_passes import key_passes
+    from .tile_head_probs import tile_head_probs
     from .tile_unions import tile_unions
 except ImportError:  # pragma: no cover
     triton = None
@@ -51,6 +52,11 @@ EXTENT_GRAIN = 128
 # The average is read in the same host sync as the widest union, which sizes the lists.)
 TILED_FWD_MAX_UNION = 4
 
+# Widest query (heads x key dims) ``tile_head_probs`` takes: it unrolls every head and keeps their
+# query tiles in registers (sm_90 ptxas, 64-query tiles, 8 warps: 9 x 64 and 8 x 64 without spills,
+# 16 x 64 spilled). Wider models add the head sums inside the tiled backward kernel instead.
+TILE_PROBS_MAX_WIDTH = 576
+
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,8 @@ class SparseAttentionConfig:
       MLA rows, dS + dK/dV then dQ);
     - ``bwd_dq``: the dQ kernel of the split backward (``SLAB`` key-dim columns per program,
       ``BLOCK_N``, ``num_warps``, ``num_stages``; ``BLOCK_N`` must divide ``EXTENT_GRAIN``);
-    - ``fwd_tiled``, ``bwd_tiled``: the query-tile kernels (``BLOCK_N`` in {32, 64, 128},
-      ``num_warps``, ``num_stages``).
+    - ``fwd_tiled``, ``bwd_tiled``, ``probs_tiled``: the query-tile kernels (``BLOCK_N`` in
+      {32, 64, 128}, ``num_warps``, ``num_stages``); ``probs_tiled`` is ``tile_head_probs.py``'s.
 
     ``tile_rows``: rows (query, head pairs) of a query tile, the matmul M side of the tiled kernels;
     0 turns query tiles off (every program walks one token's own list). 128 rows (32 queries of a
@@ -83,6 +89,11 @@ class SparseAttentionConfig:
     ``mla_bwd_pass_bytes``: that kernel's fp32 accumulator (B * T rows of 576) is added to in key
     passes of at most this many bytes each, so each pass's atomics stay in L2 (``key_passes.py``);
     0 adds in one pass.
+
+    ``tiled_head_probs``: on query tiles, a ``HeadProbs`` target comes from its own kernel
+    (``tile_head_probs.py``: one program per tile and all heads, no atomics, deterministic); False
+    adds it inside the tiled backward kernel by one fp32 atomic per (query, head, key) instead (the
+    same-run baseline of the benchmarks).
     """
 
     fwd: dict = field(default_factory=dict)
@@ -90,13 +101,16 @@ class SparseAttentionConfig:
     bwd_dq: dict = field(default_factory=dict)
     fwd_tiled: dict = field(default_factory=dict)
     bwd_tiled: dict = field(default_factory=dict)
+    probs_tiled: dict = field(default_factory=dict)
     tile_rows: int = 128
     mla_gluon: bool = True
     mla_gluon_bwd: bool = True
     mla_bwd_pass_bytes: int = 32 << 20
+    tiled_head_probs: bool = True
 
     def overrides(self, kind: str) -> dict:
-        """The launch overrides of kernel ``kind`` ("fwd", "bwd", "bwd_dq", "fwd_tiled", "bwd_tiled")."""
+        """The launch overrides of kernel ``kind`` ("fwd", "bwd", "bwd_dq", "fwd_tiled", "bwd_tiled",
+        "probs_tiled")."""
         return getattr(self, kind)
 
 
@@ -286,6 +300,8 @@ def launch_config(kind: str, group: int, dqk: int, dv: int, num_idx: int, config
         cfg = dict(SLAB=128, BLOCK_N=64, num_warps=4, num_stages=3)
     elif kind == "fwd_tiled":  # BLOCK_H rows = (query, head) pairs of a query tile
         cfg = dict(BLOCK_N=32, num_warps=4, num_stages=3)
+    elif kind == "probs_tiled":  # rows = a tile's queries, all heads unrolled (tile_head_probs.py)
+        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
     else:  # "bwd_tiled"
         cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2)
     cfg.update(config.overrides(kind))
@@ -488,9 +504,10 @@ def sparse_attention_bwd(
 ):
     """Returns (dq, dk, dv, psum_done); dv is None when ``merge_dv`` folded it into dk. ``psum`` (fp32
     zeros [B, S, K] over the caller's index slots): the kernels that can add each slot's head-summed P
-    there (the indexer KL's target) do so: the fused GQA kernel (atomic backward, per-token lists or
-    query tiles over rows sorted ascending) and the Gluon MLA dK/dV kernel (per-token lists);
-    ``psum_done`` says whether one did."""
+    there (the indexer KL's target) do so: on query tiles over rows sorted ascending a kernel of its
+    own (``tile_head_probs``, atomic or deterministic backward) or, with ``config.tiled_head_probs``
+    off, the fused GQA kernel (atomic backward); on per-token lists the fused GQA kernel (atomic
+    backward) and the Gluon MLA dK/dV kernel; ``psum_done`` says whether one did."""
     B, S, Hq, Dqk = q.shape
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     idx = lists.idx
@@ -533,7 +550,11 @@ def sparse_attention_bwd(
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
 
     gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
-    fused_psum = psum is not None and not split and not deterministic
+    tiled_probs = psum is not None and tiled and config.tiled_head_probs and Hq * (d1 + d2) <= TILE_PROBS_MAX_WIDTH
+    fused_psum = psum is not None and not split and not deterministic and not tiled_probs
+    if tiled_probs:
+        tile_head_probs(q, k, lists, lse, scale, psum, d1, d2, launch_config("probs_tiled", group, Dqk, Dv, L, config),
+                        _dot_precision(q.dtype))
     psum_t = psum if fused_psum else lse  # any fp32 tensor of rank 3; unread without HAS_PSUM
     passes = key_pass_count(acc, config) if gluon_dkv else 1
     for t0 in range(0, units, chunk):
@@ -586,7 +607,7 @@ def sparse_attention_bwd(
             _reduce_scratch(idx[:, t0 : t0 + count], target, acc, nhb, ncol)
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
-    return dq, dk, dv, psum is not None and (gluon_dkv or fused_psum)
+    return dq, dk, dv, psum is not None and (gluon_dkv or fused_psum or tiled_probs)
 
 
 def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:

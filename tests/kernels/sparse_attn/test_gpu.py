@@ -114,16 +114,22 @@ def test_gqa_per_token_path_matches_fp32_reference(monkeypatch):
     check_against_reference(4096, 32, 8, 128, 128, mla=False, chunk=128)
 
 
+@pytest.mark.parametrize("own_kernel", [True, False], ids=["tile_head_probs", "fused_atomics"])
 @pytest.mark.parametrize("tile_rows", [128, 0], ids=["tiles", "per_token"])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (32, 8, 128)], ids=["smollm2", "gqa32x8"])
-def test_gqa_backward_fills_the_head_sums(monkeypatch, tile_rows, Hq, Hkv, D):
-    """The fused head sums of the GQA backward (``HeadProbs``) against the pass of their own
-    (``attention_prob_sum``) on the same lse; the fallback pass must not run."""
+def test_gqa_backward_fills_the_head_sums(monkeypatch, tile_rows, Hq, Hkv, D, own_kernel):
+    """The head sums of the GQA backward (``HeadProbs``: ``tile_head_probs`` on tiles of narrow
+    models, else inside the backward kernel) against the pass of their own (``attention_prob_sum``) on
+    the same lse; the fallback pass must not run."""
     from hyscale_hf.kernels.indexer_kl import attention_prob_sum
     from hyscale_hf.kernels.sparse_attn import HeadProbs, op
 
-    monkeypatch.setattr(host, "DEFAULT_CONFIG", SparseAttentionConfig(tile_rows=tile_rows))
+    config = SparseAttentionConfig(tile_rows=tile_rows, tiled_head_probs=own_kernel)
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", config)
     monkeypatch.setattr(op, "prob_sum_pass", None)  # calling it would fail
+    launched = []
+    real = host.tile_head_probs
+    monkeypatch.setattr(host, "tile_head_probs", lambda *a, **kw: launched.append(1) or real(*a, **kw))
     T = 4096
     q, k, v, do, dlse = make_inputs(T, Hq, Hkv, D, D, mla=False)
     idx = selection(T)
@@ -136,6 +142,7 @@ def test_gqa_backward_fills_the_head_sums(monkeypatch, tile_rows, Hq, Hkv, D):
     assert got[0, 5].abs().max().item() == 0 and bool((got[idx < 0] == 0).all())
     sums = got.sum(-1)[0]  # each query's heads each sum to 1 over its keys
     assert (sums[idx[0].ge(0).any(-1)] - Hq).abs().max().item() < 1e-2 * Hq
+    assert bool(launched) == (own_kernel and tile_rows > 0 and Hq * D <= host.TILE_PROBS_MAX_WIDTH)
 
 
 @pytest.mark.parametrize("mla", [True, False], ids=["mla", "gqa"])

@@ -5,6 +5,8 @@ the CPU interpreter (tests/conftest.py) the Triton cases run the kernels themsel
 every row span several key blocks, so the tiles' running rank crosses blocks.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,41 +48,65 @@ def run(q, k, v, idx, backend, **kwargs):
     return slot.take(), filled_in_forward
 
 
-CASES = {  # config, (Hq, Hkv): whether the fused kernel runs on query tiles or per-token rows
-    "tiles-G3": (SparseAttentionConfig(bwd_tiled={"BLOCK_N": 32}, fwd_tiled={"BLOCK_N": 32}, tile_rows=16), (6, 2)),
-    "tiles-G4": (SparseAttentionConfig(bwd_tiled={"BLOCK_N": 32}, fwd_tiled={"BLOCK_N": 32}, tile_rows=64), (8, 2)),
+CASES = {  # config, (Hq, Hkv): whether the target comes on query tiles or per-token rows
+    "tiles-G3": (SparseAttentionConfig(bwd_tiled={"BLOCK_N": 32}, fwd_tiled={"BLOCK_N": 32}, probs_tiled={"BLOCK_N": 32},
+                                       tile_rows=16), (6, 2)),
+    "tiles-G4": (SparseAttentionConfig(bwd_tiled={"BLOCK_N": 32}, fwd_tiled={"BLOCK_N": 32}, probs_tiled={"BLOCK_N": 32},
+                                       tile_rows=64), (8, 2)),
     "per-token": (SparseAttentionConfig(fwd={"BLOCK_N": 16}, bwd={"BLOCK_N": 16}, tile_rows=0), (6, 2)),
 }
 
 
+def no_pass(*args):
+    raise AssertionError("a kernel of the backward should have filled the head sums")
+
+
 @needs_triton
+@pytest.mark.parametrize("tiled_kernel", [True, False], ids=["own-kernel", "fused-atomics"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_backward_kernel_adds_the_head_sums(case, monkeypatch):
-    """The atomic backward's own kernel fills the target (no pass of its own), on tiles by rank."""
+def test_backward_fills_the_head_sums(case, tiled_kernel, monkeypatch):
+    """The atomic backward fills the target without a pass of its own: on tiles by rank, from
+    ``tile_head_probs`` (default) or inside the backward kernel (``tiled_head_probs=False``)."""
     config, (Hq, Hkv) = CASES[case]
+    config = dataclasses.replace(config, tiled_head_probs=tiled_kernel)
     monkeypatch.setattr(host, "DEFAULT_CONFIG", config)
-
-    def no_pass(*args):
-        raise AssertionError("the fused kernel should have filled the head sums")
-
     monkeypatch.setattr(op, "prob_sum_pass", no_pass)
+    launched = []
+    real = host.tile_head_probs
+    monkeypatch.setattr(host, "tile_head_probs", lambda *a, **kw: launched.append(1) or real(*a, **kw))
     q, k, v, idx = make(Hq=Hq, Hkv=Hkv)
     lists = host.key_lists(idx, k.shape[1], Hq // Hkv, wide=False, config=config)
     assert bool(lists.tile_q) == case.startswith("tiles")
     got, in_forward = run(q, k, v, idx, "triton", deterministic=False)
     assert not in_forward
+    assert bool(launched) == (case.startswith("tiles") and tiled_kernel)
     want = expected(q, k, v, idx, 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[-1, 2], torch.zeros_like(got[-1, 2]))  # the query without a key
     assert torch.equal(got[idx < 0], torch.zeros_like(got[idx < 0]))  # -1 slots stay 0
 
 
+@needs_triton
+@pytest.mark.parametrize("D", [80, 24], ids=["split-dims", "padded-dims"])
+def test_tile_kernel_serves_the_deterministic_backward_bit_for_bit(D, monkeypatch):
+    """``tile_head_probs`` uses no atomics: the deterministic backward takes it too, and two runs give
+    the same bits. Dqk 80 = 64 + 16 exercises the kernel's second product (the key dims' tail); 24 is
+    zero-padded to 32 by the op."""
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", CASES["tiles-G3"][0])
+    monkeypatch.setattr(op, "prob_sum_pass", no_pass)
+    q, k, v, idx = make(D=D)
+    first, _ = run(q, k, v, idx, "triton", deterministic=True)
+    second, _ = run(q, k, v, idx, "triton", deterministic=True)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, expected(q, k, v, idx, 0.3), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend,deterministic", [pytest.param("triton", True, marks=needs_triton),
                                                    ("torch", None)], ids=["deterministic", "torch"])
 def test_other_paths_take_a_pass_of_their_own(backend, deterministic, monkeypatch):
-    """The deterministic backward (no atomics for the sums) and the torch path (in forward) compute the
-    target by ``prob_sum_pass``; padded head dims (D = 24 -> 32) do not change it."""
-    monkeypatch.setattr(host, "DEFAULT_CONFIG", CASES["tiles-G3"][0])
+    """The deterministic backward over per-token rows (its kernels add no sums) and the torch path (in
+    forward) compute the target by ``prob_sum_pass``; padded head dims (D = 24 -> 32) do not change it."""
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", CASES["per-token"][0])
     q, k, v, idx = make(D=24)
     got, in_forward = run(q, k, v, idx, backend, deterministic=deterministic)
     assert in_forward == (backend == "torch")
