@@ -243,21 +243,17 @@ def sweep_configs():
         # registers allow 4 programs of 4 warps per SM at BQ = 8, 2 x 64 or 4 x 64: 104 registers a
         # thread, 59 with 8 warps; sm_90 ptxas), and the candidate buffer's size, which bounds the
         # query rows per chunk (the scan's programs per launch) and how many keys each row stores
-        # before its first refine (what the refines and final selection read), or its first refine
-        # right after the tiles next to the diagonal (early_refine), which lets a smaller buffer hold
-        # more rows per chunk and so more queries per program (32: N = 128 product columns at 4 heads).
+        # before its first refine (what the refines and final selection read).
         base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-        variants = [  # (BQ, num_warps, num_stages, buffer_k, early_refine)
-            (8, 4, 2, 8, False), (8, 4, 2, 8, True), (8, 4, 2, 16, True), (8, 4, 2, 4, True),
-            (16, 8, 2, 8, True), (32, 8, 2, 4, True), (32, 4, 2, 4, True), (64, 8, 2, 2, True),
-            (8, 8, 2, 8, False), (16, 8, 2, 8, False), (8, 4, 2, 4, False),
+        variants = [  # (BQ, num_warps, num_stages, buffer_k)
+            (8, 4, 2, 8), (8, 8, 2, 8), (16, 8, 2, 8), (8, 4, 2, 4), (16, 8, 2, 4), (32, 8, 2, 4), (64, 8, 2, 2),
         ]
         return [
-            (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk, early_refine=er), None)
-            for bq, nw, st, bk, er in variants
+            (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk), None)
+            for bq, nw, st, bk in variants
         ]
     return [
-        (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, early_refine=True), None),
+        (cfg(4, 64, 4, 2), None),
         (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
         (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 4 * TOPK), (cfg(4, 64, 4, 2), 16 * TOPK),

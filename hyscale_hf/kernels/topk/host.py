@@ -106,13 +106,6 @@ class HyTopKConfig:
     # Candidate buffer keys per row, in multiples of K (rounded up to a power of two). It also bounds
     # the query rows per chunk (SCRATCH_BYTES over the buffer), and so the scan's programs per launch.
     buffer_k: int = 8
-    # Refine every row holding more than K keys once its first scan segment is done, whether or not
-    # a slot is full. The first segment walks the tiles next to the diagonal, so the row's threshold
-    # becomes the K-th of its most recent keys early: fewer keys are appended later, and the later
-    # refines and the final selection read fewer. Without it a row's first refine waits for a full
-    # slot, which rows of fewer than ~11K keys never reach with the 8 x K buffer (K = 2048): all their
-    # visible keys are appended and the final selection reads them all. Off until measured on a GPU.
-    early_refine: bool = False
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -395,14 +388,10 @@ def hytopk_triton(
                 dbg_rows.zero_()
             for seg0 in range(0, n_tiles, seg):
                 # A slot gains at most one key per tile, so none can be fuller than SC - seg before
-                # seg0 > SC - seg tiles were scanned: no refine launch needed until then. The early
-                # refine (after the first segment) takes every row with a slot past k_slots, which
-                # every row of more than K keys has (K keys fill BN slots k_slots deep).
-                early = cfg.early_refine and seg0 == seg
-                if not score_only and (early or seg0 > SC - seg):
-                    limit = k_slots if early else SC - seg
+                # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
+                if not score_only and seg0 > SC - seg:
                     _kernels.hytopk_refine_kernel[(rc, B)](
-                        buf, cnt, th, refine, rc, K, slack, limit, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                        buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
                         ASM_STORE=not interp, **small,
                     )  # fmt: skip
                 if use_gluon:
