@@ -8,7 +8,7 @@
   several times), forward and backward launches;
 - ``triton_kernels.py``: the Triton kernels (the design is described there);
   ``mla_forward_gluon.py``: the warp-specialised MLA forward for sm_90; ``tile_unions.py``: the
-  query tiles' key unions;
+  query tiles' key unions; ``tile_head_probs.py``: the indexer KL's target over query tiles;
 - ``head_probs.py``: ``HeadProbs``, where the MLA op leaves its head-summed probabilities (the
   indexer KL's target) from its backward;
 - ``naive.py``: the torch reference, the test oracle and the CPU backend.

@@ -260,6 +260,8 @@ def sparse_attn_bwd_kernel(
     ``HAS_PSUM``: also add each (query, index slot)'s head-summed P into PSUM [B, S, K] fp32 (the
     indexer KL's target, ``HeadProbs``) with fp32 atomics. Per token a program sums its heads in
     registers and adds at the list position (the programs of one query's KV heads meet there); a tile
+    (only with ``SparseAttentionConfig.tiled_head_probs`` off or a model wider than
+    ``host.TILE_PROBS_MAX_WIDTH``; else ``tile_head_probs.py`` fills PSUM without atomics)
     adds each (query, head) row's P at the key's rank among the keys that query selected, the count of
     its membership bits before it (the query's row must be sorted ascending, -1 after its keys:
     ``hytopk``'s rows), so one query's heads and KV heads meet on its slots.
