@@ -2,11 +2,14 @@
 
 Passes each candidate as ``sparse_attention(..., config=SparseAttentionConfig(...))`` (block sizes,
 warps, stages, query-tile rows) and times the forward and backward of the MLA (64 heads, 576/512)
-and GQA (32/8 heads, D = 128) shapes on the benchmark's realistic selection. Configs that fail to
+and GQA (``--gqa-shape``, default 32/8 heads, D = 128; a converted SmolLM2's is 9,3,64) shapes on the
+benchmark's realistic selection (``--far-share 64``: far tokens shared by 64 queries, tiles of a few
+thousand keys as a trained indexer's on real text). Configs that fail to
 compile (shared memory) are reported, not fatal. The winners become the defaults of
 ``launch_config`` in ``hyscale_hf/kernels/sparse_attn/host.py``.
 
     python scripts/tune_sparse_attention.py --T 32768 --out results/
+    python scripts/tune_sparse_attention.py --only gqa_fwd,gqa_bwd --gqa-shape 9,3,64 --far-share 64
 """
 
 import argparse
@@ -30,24 +33,27 @@ MLA_FWD = [(32, 8, 2), (32, 8, 3), (64, 8, 2)]
 MLA_BWD = [(16, 4, 3), (16, 4, 2), (16, 8, 2)]  # num_stages 1 hit an illegal address (H200, Triton 3.6)
 MLA_DQ = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3),
           (64, 128, 4, 3), (128, 128, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4)]
-GQA_FWD = [(64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2)]  # tiled: (tile rows, BLOCK_N, warps, stages)
-GQA_BWD = [(64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3), (256, 32, 8, 2)]
+GQA_FWD = [(128, 32, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+           (128, 32, 4, 4)]  # tiled: (tile rows, BLOCK_N, warps, stages); the first is the default
+GQA_BWD = [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (256, 32, 8, 2), (128, 64, 8, 3),
+           (128, 64, 4, 2), (128, 128, 8, 2), (128, 32, 4, 3)]
 
 
-def shapes(name, T):
+def shapes(name, T, gqa=(32, 8, 128)):
     dt = torch.bfloat16
     if name == "mla":
         q = torch.randn(1, T, 64, 576, device="cuda", dtype=dt, requires_grad=True)
         kv = torch.randn(1, T, 1, 576, device="cuda", dtype=dt, requires_grad=True)
         return q, kv, kv[..., :512], (q, kv)
-    q = torch.randn(1, T, 32, 128, device="cuda", dtype=dt, requires_grad=True)
-    k = torch.randn(1, T, 8, 128, device="cuda", dtype=dt, requires_grad=True)
-    v = torch.randn(1, T, 8, 128, device="cuda", dtype=dt, requires_grad=True)
+    hq, hkv, d = gqa
+    q = torch.randn(1, T, hq, d, device="cuda", dtype=dt, requires_grad=True)
+    k = torch.randn(1, T, hkv, d, device="cuda", dtype=dt, requires_grad=True)
+    v = torch.randn(1, T, hkv, d, device="cuda", dtype=dt, requires_grad=True)
     return q, k, v, (q, k, v)
 
 
-def sweep(name, kind, configs, T, idx, budget_ms):
-    q, k, v, leaves = shapes(name, T)
+def sweep(name, kind, configs, T, idx, budget_ms, gqa):
+    q, k, v, leaves = shapes(name, T, gqa)
     do = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
     rows = []
     for cfg in configs:
@@ -106,7 +112,11 @@ def main():
     ap.add_argument("--budget-ms", type=float, default=1500.0)
     ap.add_argument("--only", default="mla_fwd,mla_bwd,mla_dq,gqa_fwd,gqa_bwd")
     ap.add_argument("--far-share", type=int, default=1)
+    ap.add_argument("--gqa-shape", default="32,8,128", help="query heads, KV heads, head dim of the GQA shape")
     args = ap.parse_args()
+    gqa = tuple(int(x) for x in args.gqa_shape.split(","))
+    if len(gqa) != 3 or gqa[0] % gqa[1]:
+        raise SystemExit(f"--gqa-shape wants Hq,Hkv,D with Hq a multiple of Hkv, got {args.gqa_shape}")
     idx = realistic_selection(args.T, args.K, far_share=args.far_share)
     for rows in (64, 128):  # the query-tile union build (Triton) that the tiled GQA forward includes
         config = SparseAttentionConfig(tile_rows=rows)
@@ -122,12 +132,13 @@ def main():
     for part in filter(None, args.only.split(",")):
         name, kind = part.split("_")
         try:
-            results += sweep(name, kind, table[part], args.T, idx, args.budget_ms)
+            results += sweep(name, kind, table[part], args.T, idx, args.budget_ms, gqa)
         except ContextLost as e:
             results += e.rows
             lost = part
         with open(os.path.join(args.out, "tune_sparse_attention.json"), "w") as f:
-            json.dump(dict(T=args.T, K=args.K, device=device, rows=results), f, indent=1)
+            json.dump(dict(T=args.T, K=args.K, far_share=args.far_share, gqa_shape=gqa, device=device, rows=results), f,
+                      indent=1)
         if lost:  # later configs would all fail with the same sticky error
             sys.exit(f"stopped in {lost}: the last config faulted on the device; rerun the rest without it")
 
