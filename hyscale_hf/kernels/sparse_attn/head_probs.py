@@ -15,10 +15,11 @@ import torch
 
 class HeadProbs:
     """Receives ``P [B, S, K]`` fp32 of one attention call: in its backward on the Triton path (on GQA
-    query tiles ``tile_head_probs``, per token the GQA backward kernel itself, the Gluon MLA dK/dV kernel
-    on sm_90; else ``prob_sum_pass``), in its forward on the torch path. Where that backward walked query tiles (GQA), it also leaves their
-    key lists (``tiles``, a ``host.KeyLists``), which the indexer KL can walk instead of every query's
-    keys (``indexer_kl_loss_given_target(..., tiles=...)``)."""
+    query tiles ``tile_head_probs``, per token the GQA backward kernel itself, the Gluon MLA dK/dV
+    kernel on sm_90; else ``prob_sum_pass``), in its forward on the torch path. Where that backward
+    walked query tiles (GQA), it also leaves their key lists (``tiles``, a ``host.KeyLists``), which
+    the indexer KL can walk instead of every query's keys (``indexer_kl_loss_given_target(...,
+    tiles=...)``)."""
 
     __slots__ = ("value", "tiles")
 

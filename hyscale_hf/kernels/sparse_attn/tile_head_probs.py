@@ -8,11 +8,12 @@ On a trained SmolLM2 layer at 32K those atomics cost more than the whole backwar
 9.4 ms, 15.0 ms with the sums; ``scripts/bench_trained_selections.py``).
 
 Here one program owns one query tile and every head: its rows are the tile's queries, and for each
-block of the tile's union it loops over the KV heads and their query heads, one ``[queries, keys]``
-product per head, summing the exponentials in registers. Each (query, slot) is then written once by
-one program: a plain store, no atomics, and a fixed summation order (the same bits on every run, so
-the deterministic backward takes it too). The products are the attention's Q K^T again (about half a
-forward's work); the head loop reloads each head's queries per key block (from L1/L2).
+block of the tile's union it runs every head's ``[queries, keys]`` product (heads unrolled; each KV
+head's key rows gathered once), summing the exponentials in registers. Each (query, slot) is then
+written once by one program: a plain store, no atomics, and a fixed summation order (the same bits on
+every run, so the deterministic backward takes it too). The products are the attention's Q K^T again
+(about half a forward's work). On a GPU the queries come through TMA, once per program; unrolled
+heads keep every head's query tile live, hence ``host.TILE_PROBS_MAX_WIDTH``.
 """
 
 from __future__ import annotations
@@ -85,12 +86,9 @@ def tile_head_probs_kernel(
                     q1 = tl.load(q_rows[:, None] + head * stride_qh + offs_d1[None, :] * stride_qd,
                                  mask=rmask[:, None], other=0.0)
                 s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-                if D2 > 0:
-                    if TMA:
-                        q2 = Q_DESC.load([b, q0, head, D1]).reshape(BLOCK_M, D2)
-                    else:
-                        q2 = tl.load(q_rows[:, None] + head * stride_qh + offs_d2[None, :] * stride_qd,
-                                     mask=rmask[:, None], other=0.0)
+                if D2 > 0:  # (never with TMA: _q_descriptor)
+                    q2 = tl.load(q_rows[:, None] + head * stride_qh + offs_d2[None, :] * stride_qd,
+                                 mask=rmask[:, None], other=0.0)
                     s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
                 lse = tl.load(lse_rows + head * stride_lh, mask=rmask, other=0.0)
                 lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # a row without keys
@@ -107,9 +105,10 @@ def tile_head_probs_kernel(
 
 
 def _q_descriptor(q: torch.Tensor, block_m: int, d1: int, d2: int):
-    """A TMA descriptor of q [B, S, Hq, D] with a [1, block_m, 1, d] box (d = d1; d2 must equal it or be 0),
-    or None where TMA does not apply: the CPU, no descriptor support in this Triton, unaligned rows."""
-    if TensorDescriptor is None or not q.is_cuda or d2 not in (0, d1) or d1 > 256 or q.stride(3) != 1:
+    """A TMA descriptor of q [B, S, Hq, d1] with a [1, block_m, 1, d1] box, or None where TMA does not
+    apply: the CPU, no descriptor support in this Triton, a key dim with a tail (d2 > 0: the pointer
+    loads take both parts), unaligned rows."""
+    if TensorDescriptor is None or not q.is_cuda or d2 or d1 > 256 or q.stride(3) != 1:
         return None
     size = q.element_size()
     if q.data_ptr() % 16 or any((st * size) % 16 for st in q.stride()[:3]):
