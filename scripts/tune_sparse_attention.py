@@ -52,7 +52,7 @@ def shapes(name, T, gqa=(32, 8, 128)):
     return q, k, v, (q, k, v)
 
 
-def sweep(name, kind, configs, T, idx, budget_ms, gqa):
+def sweep(name, kind, configs, T, idx, budget_ms, gqa=(32, 8, 128)):
     q, k, v, leaves = shapes(name, T, gqa)
     do = torch.randn(*q.shape[:3], v.shape[-1], device="cuda", dtype=q.dtype)
     rows = []

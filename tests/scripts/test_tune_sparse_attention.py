@@ -14,7 +14,7 @@ from tests.support.scripts import load_script
 def test_sweep_stops_at_a_device_fault_and_keeps_earlier_rows(monkeypatch):
     tune = load_script("tune_sparse_attention")
     q = torch.zeros(1, 4, 2, 8)
-    monkeypatch.setattr(tune, "shapes", lambda name, T: (q, q, q, (q,)))
+    monkeypatch.setattr(tune, "shapes", lambda name, T, gqa: (q, q, q, (q,)))
     monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.zeros(*a))
     calls = []
 
