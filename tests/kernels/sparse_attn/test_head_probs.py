@@ -87,6 +87,18 @@ def test_backward_fills_the_head_sums(case, tiled_kernel, monkeypatch):
 
 
 @needs_triton
+def test_models_wider_than_the_kernel_keep_the_atomics(monkeypatch):
+    """Past ``TILE_PROBS_MAX_WIDTH`` (heads x dims) the tiled backward adds the sums itself."""
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", CASES["tiles-G3"][0])
+    monkeypatch.setattr(host, "TILE_PROBS_MAX_WIDTH", 6 * 32 - 1)  # make()'s 6 heads x 32 dims: one too many
+    monkeypatch.setattr(op, "prob_sum_pass", no_pass)
+    monkeypatch.setattr(host, "tile_head_probs", no_pass)
+    q, k, v, idx = make()
+    got, _ = run(q, k, v, idx, "triton", deterministic=False)
+    torch.testing.assert_close(got, expected(q, k, v, idx, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("D", [80, 24], ids=["split-dims", "padded-dims"])
 def test_tile_kernel_serves_the_deterministic_backward_bit_for_bit(D, monkeypatch):
     """``tile_head_probs`` uses no atomics: the deterministic backward takes it too, and two runs give
