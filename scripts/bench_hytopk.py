@@ -246,15 +246,15 @@ def sweep_configs():
         # before its first refine (what the refines and final selection read).
         base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
         variants = [  # (BQ, num_warps, num_stages, buffer_k)
-            (8, 4, 2, 8), (8, 8, 2, 8), (16, 8, 2, 8), (8, 4, 2, 4), (16, 8, 2, 4), (32, 8, 2, 4), (64, 8, 2, 2),
+            (8, 4, 2, 8), (8, 8, 2, 8), (8, 8, 3, 8), (16, 8, 2, 8), (8, 4, 2, 4), (8, 8, 2, 4),
+            (16, 4, 2, 4), (16, 8, 2, 4), (16, 8, 2, 2), (32, 8, 2, 2),
         ]
         return [
             (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk), None)
             for bq, nw, st, bk in variants
         ]
     return [
-        (cfg(4, 64, 4, 2), None),
-        (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
+        (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
         (cfg(8, 64, 4, 2), None), (cfg(4, 64, 4, 2), 4 * TOPK), (cfg(4, 64, 4, 2), 16 * TOPK),
         *((cfg(4, 64, 4, 2, select_bits=bits), None) for bits in (8, 6, 5, 4)),

@@ -7,7 +7,8 @@ the strides of ``union`` and ``bits``. Triton specialises a kernel on whether ea
 divisible by 16 and compiles it again for each new pattern, so with exact widths the tiled attention
 and indexer KL kernels could compile anew whenever a step drew a new pattern, long after the first
 steps. (On an H100 a converted SmolLM2's 32K step took 686 ms, then 2286 ms in the next step of the
-same run; such compiles fit that, but it was not confirmed.) With the grain the width and the bit
+same run; such compiles fit that. With the grains three steps took 626-658 ms; the cause was not
+isolated.) With the grain the width and the bit
 words are always multiples of 16. The padding costs at most 2 KB of ``union`` per tile and 60 bytes
 of ``bits`` per query; kernels walk ``num`` keys, never the padding.
 """
