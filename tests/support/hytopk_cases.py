@@ -79,9 +79,10 @@ def adversarial_inputs(S, T, H, D, *, dtype=torch.bfloat16, device="cpu", seed=0
 
 
 def assert_same(got, ref, what=""):
-    """Indices equal exactly; scores equal as values (-0.0 == +0.0, NaN == NaN), bit for bit otherwise."""
-    gi, gs = got
-    ri, rs = ref
+    """Indices equal exactly; scores equal as values (-0.0 == +0.0, NaN == NaN), bit for bit otherwise.
+    ``got`` and ``ref`` are ``(indices, scores)`` or ``hytopk_triton``'s ``(indices, scores, lse)``."""
+    gi, gs = got[:2]
+    ri, rs = ref[:2]
     assert gi.dtype == torch.int32 and gs.dtype == torch.float32
     if not torch.equal(gi, ri):
         bad = (gi != ri).any(-1).nonzero()

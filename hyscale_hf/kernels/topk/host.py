@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..windows import query_windows
-from .naive import NAN_MESSAGE, hytopk_reference
+from .naive import NAN_MESSAGE, hytopk_reference, selected_lse
 
 try:  # Triton is optional (CPU-only installs on other platforms); the torch path always works.
     import triton
@@ -257,13 +257,14 @@ def _side_stream(dev: torch.device, lane: int):
 
 def hytopk_triton(
     q, k, w, topk, *, cu_seqlens=None, window_start=None, relu=True, check_nan=False, return_scores=True,
-    config: HyTopKConfig | None = None, cap: int | None = None, chunk_rows: int | None = None,
+    return_lse=False, config: HyTopKConfig | None = None, cap: int | None = None, chunk_rows: int | None = None,
     profile: str | None = None,
 ):  # fmt: skip
-    """Host launch of the Triton HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
+    """Host launch of the Triton HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk], lse fp32
+    [B, S]).
 
     Inputs and outputs as in ``hytopk`` (which checks them; this function does not). ``scores`` is
-    ``[B, S, 0]`` when ``return_scores`` is False.
+    ``[B, S, 0]`` when ``return_scores`` is False, ``lse`` ``[B, 0]`` when ``return_lse`` is False.
 
     Tuning (tests and ``scripts/bench_hytopk.py``; the defaults are what ``hytopk`` runs):
         config: tile shape and kernel variants (``HyTopKConfig``); default ``pick_config(...)``.
@@ -279,18 +280,20 @@ def hytopk_triton(
     B, S, H, D = q.shape
     T = k.shape[1]
     K = min(topk, T)
+    n_lse = S if return_lse else 0
     if B * S == 0 and profile is None:  # nothing to score (T = 0 implies S = 0): no launch
         n_out = topk if return_scores else 0
         return (
             torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device),
             torch.full((B, S, n_out), float("-inf"), dtype=torch.float32, device=q.device),
+            torch.full((B, n_lse), float("-inf"), dtype=torch.float32, device=q.device),
         )
     if torch.float64 in (q.dtype, k.dtype, w.dtype) or K > MAX_TRITON_TOPK:
         # fp64, or a K above MAX_TRITON_TOPK: the torch path gives the same exact answer.
         idx, sc = hytopk_reference(
             q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
         )
-        return idx, (sc if return_scores else sc[..., :0])
+        return idx, (sc if return_scores else sc[..., :0]), selected_lse(sc, return_lse)
     if q.dtype != k.dtype:  # mixed half types: fp32 holds both exactly
         q, k = q.float(), k.float()
     cfg = config or pick_config(H, D, q.dtype, q.device)
@@ -343,6 +346,7 @@ def hytopk_triton(
     else:
         indices = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
         scores = torch.empty(B, S, n_out, dtype=torch.float32, device=dev)
+    lse = torch.empty(B, n_lse, dtype=torch.float32, device=dev)
     # Final-selection scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
     # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
     n_words = triton.cdiv(T, 32)
@@ -418,10 +422,10 @@ def hytopk_triton(
             if score_only or scan_only:
                 continue
             _kernels.hytopk_finalize_kernel[(min(B * rc, n_fin),)](
-                buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, i0, rc, K, K, B * rc, n_words,
+                buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, lse, i0, rc, S, K, K, B * rc, n_words,
                 indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
                 NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024,
-                WRITE_SCORES=return_scores, ASM_STORE=not interp,
+                WRITE_SCORES=return_scores, WRITE_LSE=return_lse, ASM_STORE=not interp,
                 **({} if interp else {"num_warps": cfg.finalize_warps}),
             )  # fmt: skip
             ls.stats += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
@@ -440,4 +444,4 @@ def hytopk_triton(
     _STATS["rows"] += B * S
     if check_nan and bool(torch.stack([ls.nan_any for ls in lane_state]).any()):  # one host sync
         raise ValueError(NAN_MESSAGE)
-    return indices, scores
+    return indices, scores, lse

@@ -146,3 +146,11 @@ def hytopk_reference(
             raise ValueError(NAN_MESSAGE)
         idx_out[:, c0:c1], score_out[:, c0:c1] = select_topk(scores, visible, topk, key_offset=lo)
     return idx_out, score_out
+
+
+def selected_lse(scores: torch.Tensor, wanted: bool = True) -> torch.Tensor:
+    """Log-sum-exp of each row's selected scores: ``[B, S, K]`` fp32 (``-inf`` padded) -> ``[B, S]`` fp32,
+    ``-inf`` for a row without a key and NaN where a selected score is NaN; ``[B, 0]`` when not ``wanted``."""
+    if not wanted:
+        return scores.new_empty(scores.shape[0], 0)
+    return torch.logsumexp(scores.float(), dim=-1)

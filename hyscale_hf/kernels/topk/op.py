@@ -19,7 +19,7 @@ from ..checks import (
 )
 from . import selection_counts
 from .host import HAS_TRITON, hytopk_triton
-from .naive import hytopk_reference
+from .naive import hytopk_reference, selected_lse
 
 # ----------------------------------------------------------------------------- custom op
 
@@ -36,29 +36,32 @@ def hytopk_op(
     check_nan: bool,
     backend: str,
     return_scores: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher-visible HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk]).
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatcher-visible HyTopK: (indices int32 [B, S, topk], scores fp32 [B, S, topk], lse fp32 [B, S]).
 
     With ``return_scores=False`` the scores are ``[B, S, 0]`` (the Triton path then never writes
-    them: at 1M tokens and topk 2048 they would be another 8 GiB).
+    them: at 1M tokens and topk 2048 they would be another 8 GiB); with ``return_lse=False`` the
+    lse is ``[B, 0]``. A replaying checkpoint keeps all three outputs.
     """
     selection_counts.record_selection_run()  # replayed selections never get here (selection_stats)
     if backend == "triton":
         return hytopk_triton(
             q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan,
-            return_scores=return_scores,
+            return_scores=return_scores, return_lse=return_lse,
         )  # fmt: skip
     indices, scores = hytopk_reference(
         q, k, w, topk, cu_seqlens=cu_seqlens, window_start=window_start, relu=relu, check_nan=check_nan
     )
-    return indices, (scores if return_scores else scores[..., :0].clone())
+    return indices, (scores if return_scores else scores[..., :0].clone()), selected_lse(scores, return_lse)
 
 
 @hytopk_op.register_fake
-def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend, return_scores=True):
+def _(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, backend, return_scores=True, return_lse=False):
     B, S = q.shape[:2]
     n_scores = topk if return_scores else 0
-    return q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, n_scores, dtype=torch.float32)
+    return (q.new_empty(B, S, topk, dtype=torch.int32), q.new_empty(B, S, n_scores, dtype=torch.float32),
+            q.new_empty(B, S if return_lse else 0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -69,8 +72,8 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output)
 
 
-def _backward(ctx, d_indices, d_scores):  # never called: both outputs are non-differentiable
-    return (None,) * 10
+def _backward(ctx, d_indices, d_scores, d_lse):  # never called: the outputs are non-differentiable
+    return (None,) * 11
 
 
 hytopk_op.register_autograd(_backward, setup_context=_setup_context)
@@ -89,6 +92,7 @@ def hytopk(
     window_start: torch.Tensor | None = None,
     relu: bool = True,
     return_scores: bool = False,
+    return_lse: bool = False,
     check_nan: bool = False,
     backend: str = "auto",
 ):
@@ -121,6 +125,11 @@ def hytopk(
             that query no visible key: its row is all ``-1``.
         relu: apply ReLU to each head's logit (family-specific; default on).
         return_scores: also return the fp32 scores of the selected keys.
+        return_lse: also return each query's log-sum-exp of the selected keys' scores, fp32 ``[B, S]``
+            (``-inf`` for a query without a key, NaN where a selected score is NaN): the indexer KL's
+            normaliser over the selection (``indexer_kl_loss_given_target(..., index_lse=...)``), which
+            the Triton path forms from the scores its final selection holds anyway (no score table,
+            no ``[B, S, topk]`` scores written).
         check_nan: raise ``ValueError`` if a visible key scores NaN, i.e. is not finite (the
             Triton path then syncs).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (see ``hyscale_hf.kernels``). The Triton
@@ -143,7 +152,8 @@ def hytopk(
         with ``return_scores`` also ``scores`` fp32 ``[B, S, topk]`` aligned with ``indices``
         (``-inf`` in padded slots; the Triton path returns a zero score as ``+0.0``, and with
         continuous inputs the Triton scores can differ from the reference's in the last bits
-        because the head sum runs in another order). Neither output carries a gradient (the
+        because the head sum runs in another order); with ``return_lse`` then ``lse`` fp32 ``[B, S]``
+        (the tuple in that order). No output carries a gradient (the
         scores are not differentiable; the indexer trains through ``indexer_kl_loss``). Empty
         inputs (``B``, ``S`` or ``T`` = 0) give outputs of that shape (``T = 0``: all ``-1``).
     """
@@ -175,5 +185,7 @@ def hytopk(
         if tuple(window_start.shape) not in ((B,), (B, S)):
             raise ValueError(f"window_start must have shape [B={B}] or [B={B}, S={S}], got {tuple(window_start.shape)}")
     chosen = resolve_backend(backend, q.device, HAS_TRITON)
-    indices, scores = hytopk_op(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen, return_scores)
-    return (indices, scores) if return_scores else indices
+    indices, scores, lse = hytopk_op(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen, return_scores,
+                                     return_lse)
+    outputs = (indices,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
+    return outputs if len(outputs) > 1 else indices

@@ -373,12 +373,14 @@ def hytopk_refine_kernel(
 
 @triton.jit
 def hytopk_finalize_kernel(
-    buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr,
-    I0, R, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
+    buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr, lse_ptr,
+    I0, R, S, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, BLOCK_W: tl.constexpr,
-    WRITE_SCORES: tl.constexpr, ASM_STORE: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, ASM_STORE: tl.constexpr,
 ):  # fmt: skip
-    """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded.
+    """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded;
+    with ``WRITE_LSE`` also the log-sum-exp of the kept scores, fp32 [B, S] (-inf without a kept key, NaN
+    with a NaN score): the indexer KL's normaliser over the selection, from scores this pass holds anyway.
 
     Persistent: program p handles rows p, p + P, ... of the B * R rows (P = the grid) with its own
     scratch: a bitmap of ``n_words`` int32 (all zero between rows) and ``n_words`` int64 words
@@ -417,15 +419,30 @@ def hytopk_finalize_kernel(
         tl.debug_barrier()
         out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is
         out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os
+        m_row = tl.full([], float("-inf"), tl.float32)  # WRITE_LSE: running max and sum of exp
+        l_row = tl.zeros([], tl.float32)
+        nan_row = tl.zeros([], tl.int32)
         for ob in range(0, depth, OB):  # each kept key to its slot in index order
             x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
             v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
             slot = bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31)
             _put_in_layout(out_idx + slot, idx, keep, False, ASM_STORE)
-            if WRITE_SCORES:
+            if WRITE_SCORES or WRITE_LSE:
                 mono = (x >> 32).to(tl.int32)
                 bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
-                _put_in_layout(out_score + slot, bits.to(tl.float32, bitcast=True), keep, False, ASM_STORE)
+                score = bits.to(tl.float32, bitcast=True)
+                if WRITE_SCORES:
+                    _put_in_layout(out_score + slot, score, keep, False, ASM_STORE)
+                if WRITE_LSE:
+                    nan_row += tl.sum((keep & (mono == _NAN_MONO)).to(tl.int32))
+                    s_kept = tl.where(keep & (mono != _NAN_MONO), score, float("-inf"))
+                    m_new = tl.maximum(m_row, tl.max(s_kept))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    l_row = l_row * tl.exp(m_row - m_safe) + tl.sum(tl.exp(s_kept - m_safe))
+                    m_row = m_new
+        if WRITE_LSE:
+            lse = tl.where(l_row > 0, m_row + tl.log(tl.where(l_row > 0, l_row, 1.0)), float("-inf"))
+            tl.store(lse_ptr + b * S + I0 + r, tl.where(nan_row > 0, float("nan"), lse))
         for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad
             offs = p0 + tl.arange(0, BLOCK_W)
             tl.store(out_idx + offs, tl.full([BLOCK_W], -1, tl.int32), mask=offs < KOUT)

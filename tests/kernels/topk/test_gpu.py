@@ -49,6 +49,20 @@ def test_random_integer_inputs_exact(T, scan):
     assert stats["calls"] == 1 and stats["rows"] == T
 
 
+def test_lse_of_the_selection_at_32k():
+    """return_lse at a real size (several query chunks on two lanes, a small indexer): each row's
+    log-sum-exp of its selected scores, as the indexer KL's one pass takes it."""
+    g = torch.Generator().manual_seed(3)
+    T = 32768
+    q = torch.randn(1, T, 4, 64, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(1, T, 64, generator=g).to("cuda", torch.bfloat16)
+    w = torch.rand(1, T, 4, generator=g).cuda()
+    idx, sc, lse = hytopk(q, k, w, K, return_scores=True, return_lse=True, backend="triton")
+    assert torch.equal(idx, hytopk(q, k, w, K, backend="triton"))
+    want = torch.logsumexp(sc.double(), dim=-1).float()
+    torch.testing.assert_close(lse, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("T", [4096, 16384])
 def test_adversarial_and_realistic_rows_exact(T, scan):
     """ReLU zero plateaus far larger than topk, monotone rows, one huge bucket of ties, many queries

@@ -162,8 +162,10 @@ def test_custom_op_is_visible_to_the_dispatcher_and_fake_tensors():
         q = torch.empty(2, 5, 3, 4)
         k = torch.empty(2, 9, 4)
         w = torch.empty(2, 5, 3)
-        idx, sc = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "torch")
+        idx, sc, lse = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "torch")
+        lse_on = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "torch", False, True)[2]
     assert idx.shape == (2, 5, 6) and idx.dtype == torch.int32 and sc.dtype == torch.float32
+    assert lse.shape == (2, 0) and lse_on.shape == (2, 5) and lse_on.dtype == torch.float32
 
 
 def test_query_chunks_are_larger_on_cuda_where_launch_overhead_dominates():

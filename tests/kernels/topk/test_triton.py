@@ -186,7 +186,7 @@ def test_continuous_inputs_valid_topk():
     q = torch.randn(1, 32, 8, 16, generator=g).to(DEV)
     k = torch.randn(1, 32, 16, generator=g).to(DEV)
     w = torch.rand(1, 32, 8, generator=g).to(DEV)
-    idx, sc = hytopk_triton(q, k, w, 5, **SMALL)
+    idx, sc, _ = hytopk_triton(q, k, w, 5, **SMALL)
     assert_valid_topk(idx, sc, q, k, w, 5, tol=1e-5)
 
 
@@ -197,17 +197,62 @@ def test_public_api_determinism_and_return_scores():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     only_idx = hytopk(q, k, w, 6, backend="triton")
     assert torch.equal(only_idx, a[0])
-    idx, scores = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "triton", False)
-    assert torch.equal(idx, a[0]) and scores.shape == (1, 24, 0)
+    idx, scores, lse = torch.ops.hyscale.hytopk(q, k, w, 6, None, None, True, False, "triton", False)
+    assert torch.equal(idx, a[0]) and scores.shape == (1, 24, 0) and lse.shape == (1, 0)
     assert_same(a, hytopk_reference(q, k, w, 6), "public api")
+    idx_l, lse = hytopk(q, k, w, 6, return_lse=True, backend="triton")
+    idx_s, sc_s, lse_s = hytopk(q, k, w, 6, return_scores=True, return_lse=True, backend="triton")
+    assert torch.equal(idx_l, a[0]) and torch.equal(idx_s, a[0]) and torch.equal(sc_s, a[1])
+    assert lse.shape == (1, 24) and torch.equal(lse, lse_s)
 
 
-@pytest.mark.parametrize("backend,return_scores", [("triton", False), ("torch", True)])
-def test_custom_op_schema_and_fake(backend, return_scores):
+@pytest.mark.parametrize("backend,return_scores,return_lse", [("triton", False, True), ("torch", True, False),
+                                                              ("torch", False, True)])
+def test_custom_op_schema_and_fake(backend, return_scores, return_lse):
     """The dispatcher-visible op (selection replay, torch.compile) is consistent with its fake."""
     q, k, w = int_inputs(1, 12, 12, 4, 16, device=DEV, seed=12)
-    args = (q, k, w, 5, None, None, True, False, backend, return_scores)
+    args = (q, k, w, 5, None, None, True, False, backend, return_scores, return_lse)
     torch.library.opcheck(torch.ops.hyscale.hytopk.default, args)
+
+
+def _assert_lse_of_selection(lse, scores, what):
+    """``lse`` is each row's log-sum-exp of its selected scores (-inf for no key, NaN with a NaN score)."""
+    want = torch.logsumexp(scores.double(), dim=-1).float()
+    torch.testing.assert_close(lse, want, rtol=1e-6, atol=1e-6, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_lse_of_the_selection(relu):
+    """return_lse: the finalize's log-sum-exp of the kept scores equals the reference's logsumexp of the
+    selected scores: rows refined many times (tiny buffer), several query chunks, rows with fewer than K
+    keys, rows without a key (window_start past the query) and continuous scores of both signs."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 40, 4, 16, generator=g).to(DEV)
+    k = torch.randn(2, 56, 16, generator=g).to(DEV)
+    w = torch.randn(2, 40, 4, generator=g).to(DEV)
+    ws = torch.randint(0, 30, (2, 40), generator=g)
+    ws[0, :3] = 10**6  # past every key: no visible key, lse -inf
+    ws = ws.to(DEV)
+    idx, sc, lse = hytopk_triton(q, k, w, 12, relu=relu, window_start=ws, return_lse=True, chunk_rows=16, **SMALL)
+    assert lse.shape == (2, 40) and lse.dtype == torch.float32
+    assert bool((lse[0, :3] == float("-inf")).all())
+    _assert_lse_of_selection(lse, sc, f"relu={relu}")
+    ref_idx, ref_sc = hytopk_reference(q, k, w, 12, relu=relu, window_start=ws)
+    ref_lse = hytopk(q, k, w, 12, relu=relu, window_start=ws, return_lse=True, backend="torch")[1]
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    no_lse = hytopk_triton(q, k, w, 12, relu=relu, window_start=ws, chunk_rows=16, **SMALL)
+    assert torch.equal(no_lse[0], idx) and no_lse[2].shape == (2, 0)
+
+
+def test_lse_with_nan_scores():
+    q, k, w = int_inputs(1, 24, 24, 4, 16, device=DEV, seed=9)
+    k[0, 5] = float("nan")
+    idx, sc, lse = hytopk_triton(q, k, w, 8, return_lse=True, **SMALL)
+    has_nan = torch.isnan(sc).any(-1)
+    assert bool(has_nan.any()) and bool((~has_nan).any())
+    assert bool(torch.isnan(lse[has_nan]).all()) and bool(torch.isfinite(lse[~has_nan]).all())
+    _assert_lse_of_selection(lse, sc, "nan")
 
 
 @pytest.mark.parametrize("S,T,BQ,BN,R", [(37, 37, 4, 16, 8), (20, 50, 2, 16, 6), (64, 64, 8, 64, 64), (5, 300, 4, 16, 4)])
