@@ -71,9 +71,12 @@ def tiled_kl_cases():
     cuda = torch.device("cuda")
     for tqp, hp, bd in [(64, 2, 64), (64, 4, 64), (32, 4, 64), (64, 4, 32)]:
         consts = dict(RELU=True, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=tiled.BLOCK_N, PRECISION="tf32")
-        for fn, backward in [(tiled.indexer_kl_fwd_tiled_kernel, False), (tiled.indexer_kl_bwd_tiled_kernel, True)]:
+        for fn, backward, extra in [(tiled.indexer_kl_fwd_tiled_kernel, False, {}),
+                                    (tiled.indexer_kl_bwd_tiled_kernel, True, {"ONE_PASS": False}),
+                                    (tiled.indexer_kl_bwd_tiled_kernel, True, {"ONE_PASS": True})]:
             options = tiled._launch(tqp, hp, bd, cuda, backward)
-            yield f"{fn.fn.__name__} TQP={tqp} HP={hp} BLOCK_D={bd}", fn, pointers, consts, options
+            label = f"{fn.fn.__name__}{' ONE_PASS' if extra.get('ONE_PASS') else ''} TQP={tqp} HP={hp} BLOCK_D={bd}"
+            yield label, fn, pointers, {**consts, **extra}, options
 
 
 def hytopk_scan_small_cases():

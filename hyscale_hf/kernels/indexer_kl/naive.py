@@ -62,18 +62,31 @@ def selected_index_logits(index_q, index_k, index_w, indices, relu):
     return (logits * index_w.to(dt)[..., None]).sum(2)
 
 
-def indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, *, relu=True, reduction="mean"):
+def indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, *, relu=True, reduction="mean",
+                                      index_lse=None):
     """``indexer_kl_loss_reference``'s sparse stage with the target P [B, S, K] given (unnormalised,
-    detached; slots with index -1 count as 0)."""
+    detached; slots with index -1 count as 0), and optionally the logits' lse over the selection
+    (``index_lse`` [B, S]: see ``kl_rows``)."""
     valid = indices >= 0
     index_logits = selected_index_logits(index_q, index_k, index_w, indices, relu)
     p = normalised(torch.where(valid, target.detach().to(index_logits.dtype), 0.0))
-    return reduce_kl(kl_rows(p, index_logits, valid), valid.any(-1), reduction)
+    return reduce_kl(kl_rows(p, index_logits, valid, index_lse), valid.any(-1), reduction)
 
 
-def kl_rows(p: torch.Tensor, index_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """KL(p || softmax(index_logits)) per row over ``valid`` keys; 0 * log 0 = 0."""
-    logq = torch.log_softmax(index_logits.masked_fill(~valid, float("-inf")), dim=-1)
+def kl_rows(p: torch.Tensor, index_logits: torch.Tensor, valid: torch.Tensor,
+            index_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p || softmax(index_logits)) per row over ``valid`` keys; 0 * log 0 = 0. With ``index_lse``
+    (detached, [rows]) the log-probabilities are ``I - index_lse`` and the logits' gradient
+    ``exp(I - index_lse) - p`` (the KL's where index_lse is their lse): the value takes the given lse,
+    and ``mass - mass.detach()`` (0 in value, gradient ``exp(I - index_lse)``) gives the gradient."""
+    if index_lse is None:
+        logq = torch.log_softmax(index_logits.masked_fill(~valid, float("-inf")), dim=-1)
+    else:
+        lse = index_lse.detach().to(index_logits.dtype)
+        lse = torch.where(valid.any(-1), lse, torch.zeros_like(lse))[..., None]  # rows without a key: unused
+        shifted = torch.where(valid, index_logits - lse, torch.full_like(index_logits, float("-inf")))
+        mass = torch.exp(shifted).sum(-1, keepdim=True)
+        logq = index_logits - lse - (mass - mass.detach())
     logq = torch.where(valid, logq, torch.zeros_like(logq))
     plogp = torch.where(p > 0, p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)), torch.zeros_like(p))
     return (plogp - p * logq).sum(-1)

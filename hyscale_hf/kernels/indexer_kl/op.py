@@ -217,31 +217,49 @@ def indexer_kl_backward_triton(grad_kl, index_q, index_k, index_w, indices, targ
     """Gradients (d index_q, d index_k, d index_w) of sum(grad_kl * KL). d index_k is accumulated with
     fp32 atomics, so its bits can vary between runs (summation order); the others are deterministic.
     With ``tiles`` the kernel walks the attention's query tiles (``tiled.py``)."""
+    return _gradient_pass(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, relu, config, tiles)[1:]
+
+
+def indexer_kl_one_pass_triton(grad_kl, index_q, index_k, index_w, indices, target, index_lse, relu,
+                               *, config=None, tiles=None):
+    """``(kl [B, S] fp32, d index_q, d index_k, d index_w)``: the given-target loss per query and the
+    gradients of sum(grad_kl * KL) from one pass of the backward kernels (``ONE_PASS``), with the
+    indexer's log-sum-exp over each query's selected keys given (``index_lse`` fp32 [B, S]) instead of
+    formed by the forward's pass; Z is summed from ``target`` in the same kernel."""
+    return _gradient_pass(grad_kl, index_q, index_k, index_w, indices, target, None, index_lse, relu, config, tiles)
+
+
+def _gradient_pass(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, relu, config, tiles):
+    """The backward kernels' launch: ``(kl or None, dq, dk, dw)``; the one pass where ``z`` is None."""
     q_dtype, k_dtype, w_dtype = index_q.dtype, index_k.dtype, index_w.dtype
     index_q, index_k = _common_dtype("index_q", index_q, "index_k", index_k)
     index_q, index_k = _last_dim_contiguous(index_q), _last_dim_contiguous(index_k)
     index_w = _last_dim_contiguous(index_w.float())
     indices = indices.contiguous()
+    lse_i = lse_i.float().contiguous()
     B, S, H, D = index_q.shape
     T, K = index_k.shape[1], indices.shape[2]
     dev = index_q.device
+    one_pass = z is None
     dq = torch.empty(B, S, H, D, dtype=q_dtype, device=dev)
     dw = torch.empty(B, S, H, dtype=torch.float32, device=dev)
     dk = torch.zeros(B, T, D, dtype=torch.float32, device=dev)
+    kl = torch.zeros(B, S, dtype=torch.float32, device=dev) if one_pass else None
     if B * S > 0 and tiles is not None:
         indexer_kl_backward_tiled(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, tiles, relu,
-                                  _precision(index_q.dtype), dq, dw, dk)
+                                  _precision(index_q.dtype), dq, dw, dk, kl=kl)
     elif B * S > 0:
         cfg = _launch_config("bwd", dev, config)
         kernels.indexer_kl_bwd_kernel[(S, B)](
-            index_q, index_k, index_w, indices, target, z, lse_i, grad_kl,
-            dq, dw, dk,
+            index_q, index_k, index_w, indices, target, lse_i if one_pass else z, lse_i, grad_kl,
+            dq, dw, dk, kl if one_pass else lse_i,
             S, K, H, D, T,
             *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
             *grad_kl.stride(),
-            RELU=relu, BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), PRECISION=_precision(index_q.dtype), **cfg,
+            RELU=relu, ONE_PASS=one_pass, BLOCK_H=_pow2(H), BLOCK_D=_pow2(D), PRECISION=_precision(index_q.dtype),
+            **cfg,
         )
-    return dq, dk.to(k_dtype), dw.to(w_dtype)
+    return kl, dq, dk.to(k_dtype), dw.to(w_dtype)
 
 
 # ----------------------------------------------------------------------------- autograd wrapper
@@ -298,6 +316,29 @@ class _IndexerKLGivenTarget(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_kl):
         return _indexer_grads(ctx, grad_kl)
+
+
+class _IndexerKLOnePass(torch.autograd.Function):
+    """``sum(weight * KL)`` (fp32 scalar) with the target and the indexer's selection lse given; the one
+    pass computes the gradients with the loss, in forward, and backward scales them by the incoming
+    gradient (exact where it is 1, as for the reductions' own weights)."""
+
+    @staticmethod
+    def forward(ctx, index_q, index_k, index_w, indices, target, index_lse, weight, relu, config, tiles):
+        kl, dq, dk, dw = indexer_kl_one_pass_triton(weight, index_q, index_k, index_w, indices, target, index_lse,
+                                                    relu, config=config, tiles=tiles)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(dq, dk, dw)
+        return (weight * kl).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        need = ctx.needs_input_grad
+        if not ctx.saved_tensors:
+            return (None,) * len(need)
+        # a 0-dim fp32 factor keeps the gradients' dtypes and scales in fp32 (one rounding)
+        grads = tuple(g * grad_loss if n else None for g, n in zip(ctx.saved_tensors, need[:3]))
+        return grads + (None,) * (len(need) - 3)
 
 
 def indexer_kl_loss_triton(index_q, index_k, index_w, attn_q, attn_k, indices, *, attn_lse, scale, relu,
@@ -516,6 +557,7 @@ def indexer_kl_loss_given_target(
     config: IndexerKLConfig | None = None,
     check_range: bool = True,
     tiles: KeyLists | None = None,
+    index_lse: torch.Tensor | None = None,
 ):
     """``indexer_kl_loss``'s sparse stage with its target given: ``KL(p[i] || softmax(I[i]))`` on each
     query's selected keys, ``p = P / sum(P)`` from ``target`` (``attention_prob_sum``'s P, or the one
@@ -535,6 +577,14 @@ def indexer_kl_loss_given_target(
             x indexer heads) than one program holds, the torch backend, and on CUDA unions wider than
             ``tiled.CUDA_MAX_UNION_SHARE`` of a tile's pairs (where the per-query kernels are faster)
             use the per-query path.
+        index_lse: fp32 ``[B, S]``, the log-sum-exp of each query's indexer logits over its selected keys
+            (``hytopk(..., return_lse=True)``'s, from the same index_q / index_k / index_w and indices),
+            or None. Given, the loss is ``KL(p || exp(I - index_lse))`` and its gradient to the logits
+            ``exp(I - index_lse) - p``: the KL and its gradient where ``index_lse`` is the logits' lse, as
+            the selection's is up to fp32 summation order. The Triton kernels then need no forward pass
+            (which forms that lse): one pass gives the loss and the gradients, computed in forward and
+            held until backward (``reduction`` "mean" or "sum" only: it needs the queries' weights
+            up front). It is trusted, not checked against the logits.
 
     Returns:
         The loss (fp32 scalar, or ``[B, S]`` with ``reduction="none"``), with the gradients of
@@ -551,6 +601,16 @@ def indexer_kl_loss_given_target(
         raise ValueError(f"target has K = {target.shape[2]} slots but indices has {indices.shape[2]}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if index_lse is not None:
+        ldoc = f"[B={B}, S={S}] float32"
+        check_tensor("index_lse", index_lse, 2, ldoc, dtypes=(torch.float32, torch.float64))
+        check_dim("index_lse", index_lse, 0, B, ldoc)
+        check_dim("index_lse", index_lse, 1, S, ldoc)
+        check_same_device(index_q=index_q, index_lse=index_lse)
+        if reduction == "none":
+            raise ValueError("index_lse needs reduction 'mean' or 'sum': its one pass computes the gradients with the "
+                             "loss, so every query's weight must be known then")
+        index_lse = index_lse.detach()
     if tiles is not None:
         _check_tiles(tiles, index_q)
         if check_range:
@@ -563,7 +623,15 @@ def indexer_kl_loss_given_target(
     if resolve_backend(backend, index_q.device, kernel_dtypes) == "triton":
         if tiles is not None and not tiled.takes_tiles(tiles, H, D, indices.shape[2], index_q.device):
             tiles = None  # more rows than one program holds, or (CUDA) a union too wide: the per-query kernels
-        kl = _IndexerKLGivenTarget.apply(index_q, index_k, index_w, indices.contiguous(), target, relu, config, tiles)
-        return reduce_kl(kl, (indices >= 0).any(-1), reduction)
+        indices = indices.contiguous()
+        has_key = (indices >= 0).any(-1)
+        if index_lse is not None:
+            weight = has_key.float()
+            if reduction == "mean":  # the queries' weights of reduce_kl's mean, on the device (no sync)
+                weight = weight / has_key.sum().clamp_min(1)
+            return _IndexerKLOnePass.apply(index_q, index_k, index_w, indices, target, index_lse, weight, relu,
+                                           config, tiles)
+        kl = _IndexerKLGivenTarget.apply(index_q, index_k, index_w, indices, target, relu, config, tiles)
+        return reduce_kl(kl, has_key, reduction)
     return indexer_kl_given_target_reference(index_q, index_k, index_w, indices, target, relu=relu,
-                                             reduction=reduction)
+                                             reduction=reduction, index_lse=index_lse)

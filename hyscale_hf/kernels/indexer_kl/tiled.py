@@ -166,26 +166,48 @@ def indexer_kl_fwd_tiled_kernel(
 
 
 @triton.jit
+def _tile_target_mass(IDX, P, b, tq, qmask, K, s_idx_b, s_idx_s, s_p_b, s_p_s, TQP: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Z [TQP] of a tile's queries: each one's target summed over its slots that hold a key."""
+    z = tl.zeros([TQP, BLOCK_K], tl.float32)
+    rows = tq.to(tl.int64)[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        m = qmask[:, None] & (offs_k < K)[None, :]
+        idx = tl.load(IDX + b * s_idx_b + rows * s_idx_s + offs_k[None, :], mask=m, other=-1)
+        z += tl.load(P + b * s_p_b + rows * s_p_s + offs_k[None, :], mask=m & (idx >= 0), other=0.0)
+    return tl.sum(z, axis=1)
+
+
+@triton.jit
 def indexer_kl_bwd_tiled_kernel(
-    IQ, IK, IW, IDX, UNION, NUM, BITS, P, Z, LSEI, GKL, DQ, DW, DK,
-    S, T, H, D, tile_q, n_tiles, max_u, n_words,
+    IQ, IK, IW, IDX, UNION, NUM, BITS, P, Z, LSEI, GKL, DQ, DW, DK, KL,
+    S, T, H, D, K, tile_q, n_tiles, max_u, n_words,
     s_iq_b, s_iq_s, s_iq_h, s_ik_b, s_ik_t, s_iw_b, s_iw_s, s_idx_b, s_idx_s, s_p_b, s_p_s, s_g_b, s_g_s,
-    RELU: tl.constexpr, TQP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    RELU: tl.constexpr, ONE_PASS: tl.constexpr, TQP: tl.constexpr, HP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq, dw of a tile's rows and its union keys' d index_k (one fp32 atomic add per key and tile):
-    ``indexer_kl_bwd_kernel``'s gradients over the tile's union."""
+    ``indexer_kl_bwd_kernel``'s gradients over the tile's union; with ``ONE_PASS`` also the per-query KL
+    from a given lseI (that kernel's ``ONE_PASS``)."""
     b, tq, qmask, has_key, t, h, rmask, d, dmask, q, w, count, union_row, bits_rows = _tile_setup(
         IQ, IW, IDX, NUM, UNION, BITS, S, H, D, tile_q, n_tiles, max_u, n_words,
         s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, s_idx_b, s_idx_s, TQP, HP, BLOCK_D,
     )  # fmt: skip
     g = tl.load(GKL + b * s_g_b + tq * s_g_s, mask=qmask, other=0.0).to(tl.float32)
-    z = tl.load(Z + b * S + tq, mask=qmask, other=0.0)
+    if ONE_PASS:
+        z = _tile_target_mass(IDX, P, b, tq, qmask, K, s_idx_b, s_idx_s, s_p_b, s_p_s, TQP, 64)
+    else:
+        z = tl.load(Z + b * S + tq, mask=qmask, other=0.0)
     lse_i = tl.load(LSEI + b * S + tq, mask=qmask, other=0.0)
+    if ONE_PASS:  # a query without keys has the selection's -inf: its terms are all masked out
+        lse_i = tl.where(lse_i == float("-inf"), 0.0, lse_i)
     g_soft = tl.where(z > 0, g, 0.0)  # sum_s p = 1, or 0 when the target is empty
     g_p = g / tl.where(z > 0, z, 1.0)
     dq = tl.zeros([TQP * HP, BLOCK_D], tl.float32)
     dw = tl.zeros([TQP * HP], tl.float32)
+    a = tl.zeros([TQP], tl.float32)  # ONE_PASS: sum P log P and sum P I per query
+    c = tl.zeros([TQP], tl.float32)
     seen = tl.zeros([TQP], tl.int32)
     for start in range(0, count, BLOCK_N):
         kid, valid, safe, kt, qk, r, logit, live, p_un, seen = _union_block(
@@ -193,6 +215,9 @@ def indexer_kl_bwd_tiled_kernel(
             s_ik_b, s_ik_t, s_p_b, s_p_s, RELU, TQP, HP, BLOCK_N, PRECISION,
         )  # fmt: skip
         d_i = tl.where(live, g_soft[:, None] * tl.exp(logit - lse_i[:, None]) - g_p[:, None] * p_un, 0.0)
+        if ONE_PASS:  # (summed through selects: see the forward's note on Triton 3.6)
+            a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0), axis=1)
+            c += tl.sum(tl.where(live, p_un * logit, 0.0), axis=1)
         d_rows = tl.reshape(tl.broadcast_to(d_i[:, None, :], [TQP, HP, BLOCK_N]), [TQP * HP, BLOCK_N])
         dw += tl.sum(r * d_rows, axis=1)
         dqk = w[:, None] * d_rows
@@ -206,6 +231,10 @@ def indexer_kl_bwd_tiled_kernel(
     rows_out = (b * S + t) * H + h
     tl.store(DQ + rows_out[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
     tl.store(DW + rows_out, dw, mask=rmask)
+    if ONE_PASS:
+        z_safe = tl.where(z > 0, z, 1.0)
+        kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
+        tl.store(KL + b * S + tq, kl, mask=qmask)
 
 
 def _tile_args(tiles):
@@ -242,16 +271,21 @@ def indexer_kl_forward_tiled(index_q, index_k, index_w, indices, target, tiles, 
 
 
 def indexer_kl_backward_tiled(grad_kl, index_q, index_k, index_w, indices, target, z, lse_i, tiles, relu: bool,
-                              precision: str, dq, dw, dk):
-    """Fills ``dq`` [B, S, H, D], ``dw`` [B, S, H] fp32 and adds into ``dk`` [B, T, D] fp32 (zeros)."""
+                              precision: str, dq, dw, dk, kl=None):
+    """Fills ``dq`` [B, S, H, D], ``dw`` [B, S, H] fp32 and adds into ``dk`` [B, T, D] fp32 (zeros). With ``kl``
+    (fp32 [B, S], filled with the per-query loss) the one pass: ``z`` is unread (None) and ``lse_i`` is the
+    given log-sum-exp of the selected logits."""
     B, S, H, D = index_q.shape
-    T = index_k.shape[1]
+    T, K = index_k.shape[1], indices.shape[2]
     tqp, hp, bd = tile_shape(tiles.tile_q, H, D)
     union, num, bits, tile_q, n_tiles, max_u, n_words = _tile_args(tiles)
+    one_pass = kl is not None
     indexer_kl_bwd_tiled_kernel[(n_tiles, B)](
-        index_q, index_k, index_w, indices, union, num, bits, target, z, lse_i, grad_kl, dq, dw, dk,
-        S, T, H, D, tile_q, n_tiles, max_u, n_words,
+        index_q, index_k, index_w, indices, union, num, bits, target, lse_i if one_pass else z, lse_i, grad_kl,
+        dq, dw, dk, kl if one_pass else lse_i,
+        S, T, H, D, K, tile_q, n_tiles, max_u, n_words,
         *index_q.stride()[:3], *index_k.stride()[:2], *index_w.stride()[:2], *indices.stride()[:2],
         *target.stride()[:2], *grad_kl.stride(),
-        RELU=relu, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision, **_launch(tqp, hp, bd, index_q.device, True),
+        RELU=relu, ONE_PASS=one_pass, TQP=tqp, HP=hp, BLOCK_D=bd, BLOCK_N=BLOCK_N, PRECISION=precision,
+        **_launch(tqp, hp, bd, index_q.device, True),
     )  # fmt: skip

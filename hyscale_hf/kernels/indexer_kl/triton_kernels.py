@@ -207,16 +207,33 @@ def indexer_kl_fwd_kernel(
 
 
 @triton.jit
+def _target_mass(p_row, idx_row, K, BLOCK_K: tl.constexpr):
+    """Z = sum of a query's target over its slots that hold a key (the forward's Z, as a pass of its own)."""
+    z = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        idx = tl.load(idx_row + offs_k, mask=kmask, other=-1)
+        z += tl.load(p_row + offs_k, mask=kmask & (idx >= 0), other=0.0)
+    return tl.sum(z)
+
+
+@triton.jit
 def indexer_kl_bwd_kernel(
     iq_ptr, ik_ptr, iw_ptr, idx_ptr, p_ptr, z_ptr, lsei_ptr, gkl_ptr,
-    dq_ptr, dw_ptr, dk_ptr,
+    dq_ptr, dw_ptr, dk_ptr, kl_ptr,
     S, K, H, D, T,
     s_iq_b, s_iq_s, s_iq_h, s_ik_b, s_ik_t, s_iw_b, s_iw_s, s_idx_b, s_idx_s, s_gkl_b, s_gkl_s,
-    RELU: tl.constexpr,
+    RELU: tl.constexpr, ONE_PASS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dKL/dI[s] = g * (softmax(I)[s] * [Z > 0] - p[s]); then through w and the ReLU to dq, dw,
-    and dk (fp32 atomics: one [BLOCK_K, D] scatter-add per key tile, order not deterministic)."""
+    and dk (fp32 atomics: one [BLOCK_K, D] scatter-add per key tile, order not deterministic).
+
+    ``ONE_PASS``: the loss and its gradients at once, without the forward. lseI is given (``lsei_ptr``:
+    hytopk's log-sum-exp of the selected scores, the same logits up to summation order), Z is summed
+    from the target first (``_target_mass``; ``z_ptr`` unread), and the KL terms A and C accumulate
+    beside the gradients (the forward's formula), stored to ``kl_ptr``."""
     i = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = b * S + i
@@ -224,13 +241,20 @@ def indexer_kl_bwd_kernel(
         iq_ptr, iw_ptr, b, i, s_iq_b, s_iq_s, s_iq_h, s_iw_b, s_iw_s, H, D, BLOCK_H, BLOCK_D
     )
     g = tl.load(gkl_ptr + b * s_gkl_b + i * s_gkl_s).to(tl.float32)
-    z = tl.load(z_ptr + row)
+    if ONE_PASS:
+        z = _target_mass(p_ptr + row * K, idx_ptr + b * s_idx_b + i * s_idx_s, K, BLOCK_K)
+    else:
+        z = tl.load(z_ptr + row)
     lse_i = tl.load(lsei_ptr + row)
+    if ONE_PASS:  # a query without keys has the selection's -inf: its terms are all masked out
+        lse_i = tl.where(lse_i == float("-inf"), 0.0, lse_i)
     g_soft = tl.where(z > 0, g, 0.0)  # sum_s p = 1, or 0 when the target is empty
     g_p = g / tl.where(z > 0, z, 1.0)
 
     dq = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     dw = tl.zeros((BLOCK_H,), tl.float32)
+    a = tl.zeros((BLOCK_K,), tl.float32)  # ONE_PASS: sum P log P and sum P I, per slot lane
+    c = tl.zeros((BLOCK_K,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k, kmask, valid, safe_idx, kt, qk = _indexer_key_tile(
             ik_ptr, idx_ptr, q, b, i, k0, K, s_ik_b, s_ik_t, s_idx_b, s_idx_s, offs_d, dmask, BLOCK_K, PRECISION
@@ -241,6 +265,10 @@ def indexer_kl_bwd_kernel(
         logit_i = tl.sum(r * w[:, None], axis=0)
         p_un = tl.load(p_ptr + row * K + offs_k, mask=kmask, other=0.0)
         d_i = tl.where(valid, g_soft * tl.exp(logit_i - lse_i) - g_p * p_un, 0.0)
+        if ONE_PASS:
+            p_live = tl.where(valid, p_un, 0.0)
+            a += tl.where(p_live > 0, p_live * tl.log(tl.where(p_live > 0, p_live, 1.0)), 0.0)
+            c += p_live * logit_i
         dw += tl.sum(r * d_i[None, :], axis=1)
         dqk = w[:, None] * d_i[None, :]
         if RELU:
@@ -253,3 +281,7 @@ def indexer_kl_bwd_kernel(
     tl.store(dq_ptr + row * H * D + offs_h[:, None] * D + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=hmask[:, None] & dmask[None, :])
     tl.store(dw_ptr + row * H + offs_h, dw, mask=hmask)
+    if ONE_PASS:
+        z_safe = tl.where(z > 0, z, 1.0)
+        kl = tl.where(z > 0, (tl.sum(a) - tl.sum(c)) / z_safe - tl.log(z_safe) + lse_i, 0.0)
+        tl.store(kl_ptr + row, kl)
