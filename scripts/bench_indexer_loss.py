@@ -11,9 +11,12 @@ time (what a careful user writes). Writes JSON (``--out``); ``--sweep`` also tim
     python scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 --out kl_tiles.json
 
 ``--tiles`` times the GQA sparse stage's loss instead: the target given (as the attention's backward
-leaves it), a converted SmolLM2's indexer (2 heads x 64) and query tiles (42 queries: its 9 / 3 heads
-in 128-row tiles), forward + backward per query and over the tiles, on two selections: a 1024-key local
-window + 16 sinks + random far keys, and the same with the far keys shared by each block of 64 queries.
+leaves it), a converted SmolLM2's indexer (2 heads x 64; ``--index-shape H,D`` for another) and query
+tiles (42 queries: its 9 / 3 heads in 128-row tiles), per query and over the tiles, each as forward +
+backward and as the one pass (the selection's lse given, as hytopk's ``return_lse`` hands it to the
+patched models), on two selections: a 1024-key local window + 16 sinks + random far keys, and the same
+with the far keys shared by each block of 64 queries. Indexers wider than one tile program holds
+(``tiled.tile_shape``) are timed per query only.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ def bench_one(T, attn, chunk):
 
 
 def bench_tiles(T: int, heads=2, dim=64, tile_q=128 // 3) -> list[dict]:
-    """Given-target KL fwd + bwd at a small indexer, per query and over query tiles, same inputs."""
+    """Given-target KL per query and over query tiles, forward + backward and in one pass, same inputs."""
     g = torch.Generator(device=DEVICE).manual_seed(T)
     index = (torch.randn(1, T, heads, dim, device=DEVICE, generator=g).to(torch.bfloat16),
              torch.randn(1, T, dim, device=DEVICE, generator=g).to(torch.bfloat16),
@@ -172,19 +175,25 @@ def bench_tiles(T: int, heads=2, dim=64, tile_q=128 // 3) -> list[dict]:
         idx = realistic_selection(T, K, sinks=16, window=1024, far_share=far_share, device=DEVICE)
         target = torch.where(idx >= 0, torch.rand(idx.shape, device=DEVICE, generator=g) + 0.05, 0.0)
         tiles = union_tiles(idx, tile_q, T, unique=True)
+        # the selection's lse as hytopk's return_lse gives it: the forward kernel's lse of the same logits
+        index_lse = indexer_kl_forward_triton(*index, None, None, idx, None, None, True, target=target)[3]
         row = {"T": T, "heads": heads, "dim": dim, "tile_q": tile_q, "far_share": far_share,
                "union_over_pairs": round(float(tiles.num.sum()) / float((idx >= 0).sum()), 4)}
-        for name, given in (("per_query", None), ("tiled", tiles)):
-            leaves = [t.clone().requires_grad_() for t in index]
+        paths = [("per_query", None)] + ([("tiled", tiles)] if tiled.tile_shape(tile_q, heads, dim) else [])
+        for name, given in paths:
+            for mode, lse in (("fwd_bwd", None), ("one_pass", index_lse)):
+                leaves = [t.clone().requires_grad_() for t in index]
 
-            def run(leaves=leaves, given=given, idx=idx, target=target):
-                for t in leaves:
-                    t.grad = None
-                indexer_kl_loss_given_target(*leaves, idx, target, backend="triton", check_range=False,
-                                             tiles=given).backward()
+                def run(leaves=leaves, given=given, idx=idx, target=target, lse=lse):
+                    for t in leaves:
+                        t.grad = None
+                    indexer_kl_loss_given_target(*leaves, idx, target, backend="triton", check_range=False,
+                                                 tiles=given, index_lse=lse).backward()
 
-            row[f"{name}_fwd_bwd"] = measure(f"T={T} far_share={far_share} {name}", run, 5)
-        row["speedup"] = round(row["per_query_fwd_bwd"]["ms"] / row["tiled_fwd_bwd"]["ms"], 2)
+                row[f"{name}_{mode}"] = measure(f"T={T} far_share={far_share} {name} {mode}", run, 5)
+            row[f"{name}_one_pass_speedup"] = round(row[f"{name}_fwd_bwd"]["ms"] / row[f"{name}_one_pass"]["ms"], 2)
+        if len(paths) == 2:
+            row["tiled_speedup"] = round(row["per_query_fwd_bwd"]["ms"] / row["tiled_fwd_bwd"]["ms"], 2)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -197,10 +206,12 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the chunked torch baseline")
     ap.add_argument("--tiles", action="store_true", help="the given-target loss per query against over query tiles")
+    ap.add_argument("--index-shape", default="2,64", help="--tiles: the indexer's heads,dim")
     a = ap.parse_args()
     if a.tiles:
         tiled.CUDA_MAX_UNION_SHARE = 1.0  # the tiles at every union width, not only where the rule takes them
-        rows = [r for T in a.sizes for r in bench_tiles(T)]
+        heads, dim = (int(x) for x in a.index_shape.split(","))
+        rows = [r for T in a.sizes for r in bench_tiles(T, heads, dim)]
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))
         return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

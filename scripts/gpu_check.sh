@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small and head_probs are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, head_probs and kl_one_pass are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -58,6 +58,11 @@ for s in $stages; do
       stage bench_indexer_loss_tiles 120 python3 scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 \
         --out "$RES/bench_indexer_loss_tiles.json"
       stage bench_lm_loss 200 python3 scripts/bench_lm_loss.py --out "$RES/lm_loss" ${LM_LOSS_ARGS:-} ;;
+    kl_one_pass)  # the given-target KL's one pass (the selection's lse given) against forward + backward (issue 23)
+      stage bench_kl_one_pass_2x64 "${KL_S:-200}" python3 scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 \
+        --out "$RES/kl_one_pass_2x64.json"
+      stage bench_kl_one_pass_32x128 "${KL_S:-200}" python3 scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 \
+        --index-shape 32,128 --out "$RES/kl_one_pass_32x128.json" ;;
     head_probs)  # the indexer KL's target on GQA query tiles: tile_head_probs against the fused atomics (issue 23)
       stage bench_head_probs "${HEAD_PROBS_S:-240}" python3 scripts/bench_head_probs.py --out "$RES/head_probs" ;;
     hytopk_small)  # the small indexers of converted dense models (issue 23): tiles, warps, stages, buffer sizes

@@ -227,14 +227,18 @@ def test_patched_step_reads_no_index_range_on_the_host(model_type, monkeypatch):
 
 def test_the_gqa_indexer_loss_walks_the_attention_tiles(monkeypatch):
     """Triton path (the interpreter here): the attention's backward walks query tiles and hands them to
-    the deferred indexer KL, which walks them too; the loss and every gradient match the per-query KL."""
+    the deferred indexer KL, which walks them too, in one pass (the selection's lse from hytopk: no KL
+    forward); the loss and every gradient match the per-query KL."""
     from hyscale_hf.kernels.indexer_kl import op as kl_op
     from hyscale_hf.kernels.indexer_kl import tiled
     from hyscale_hf.state import patch_state
 
-    calls = []
-    real = tiled.indexer_kl_forward_tiled
-    monkeypatch.setattr(kl_op, "indexer_kl_forward_tiled", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, forwards = [], []
+    real = tiled.indexer_kl_backward_tiled
+    monkeypatch.setattr(kl_op, "indexer_kl_backward_tiled", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("indexer_kl_forward_tiled", "indexer_kl_forward_triton"):
+        fwd = getattr(kl_op, name)
+        monkeypatch.setattr(kl_op, name, lambda *a, fwd=fwd, **k: forwards.append(1) or fwd(*a, **k))
     results = []
     for walk_tiles in (True, False):
         if not walk_tiles:
@@ -244,6 +248,7 @@ def test_the_gqa_indexer_loss_walks_the_attention_tiles(monkeypatch):
         before = len(calls)
         results.append((_step(model, _ids()), patch_state(model).pop_indexer_loss()))
         assert len(calls) - before == (2 if walk_tiles else 0)  # once per layer (two), when tiles are walked
+    assert not forwards
     (got, loss), (want, want_loss) = results
     assert loss == pytest.approx(want_loss, rel=1e-5) and want_loss > 0
     assert any(".indexer." in n for n in want)

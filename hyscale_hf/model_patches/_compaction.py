@@ -86,6 +86,11 @@ class Compaction:
         """``[B, S, ...]`` in slot order."""
         return _take(x, self.query_perm)
 
+    def rows_to_original(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` values per slot (as ``hytopk``'s lse) -> per original query: the row of the slot it
+        reads its selection from (``slot``)."""
+        return x.gather(1, self.slot)
+
     def to_original(self, indices: torch.Tensor) -> torch.Tensor:
         """int32 ``[B, S, K]`` compacted selections per slot -> original key indices per original query
         (``-1`` where nothing is selected)."""

@@ -336,10 +336,12 @@ def dsa_attention(
     wants_loss = index is not None and training and torch.is_grad_enabled() and float(cfg.indexer_loss_coef) > 0
     carrier = None  # the indexer loss deferred to the attention's backward (_deferred_target)
     if sparse_step(cfg, index, shared, window):
-        indices, attended = _selection(state, vis, compaction, attention.shape, attention.device, index=index,
-                                       shared=shared, prev_indices=prev_indices, window=window)
-        if wants_loss and indices is not None and loss_sink is None and not weights:
-            carrier = _deferred_target(attention, state, index, indices, vis, loss_count)
+        deferred = wants_loss and loss_sink is None and not weights  # the KL from the attention's backward
+        indices, attended, index_lse = _selection(state, vis, compaction, attention.shape, attention.device,
+                                                  index=index, shared=shared, prev_indices=prev_indices,
+                                                  window=window, with_lse=deferred)
+        if deferred and indices is not None:
+            carrier = _deferred_target(attention, state, index, indices, index_lse, vis, loss_count)
         attend = attention.attend_selected if indices is not None else attention.attend_window
         o, lse = attend(attended, cfg.backend)
     else:  # warm-up, or a layer without DSA: SDPA, its math backend when the user chose "eager" (_attn_switch)
@@ -366,10 +368,11 @@ def dsa_attention(
     return out, indices, probabilities
 
 
-def _deferred_target(attention, state: PatchState, index: tuple, indices: torch.Tensor, vis: Visibility,
-                     count: torch.Tensor | None):
+def _deferred_target(attention, state: PatchState, index: tuple, indices: torch.Tensor, index_lse: torch.Tensor,
+                     vis: Visibility, count: torch.Tensor | None):
     """The sparse stage's indexer KL from the target the attention's backward leaves (``HeadProbs``):
-    no second pass over the selected keys at every head, and nothing held from forward to backward.
+    no second pass over the selected keys at every head, and nothing held from forward to backward but the
+    selection's lse (``index_lse`` [B, S], hytopk's: the KL then runs in one pass, no forward of its own).
     Returns the loss carrier to join to the output, or None (the attention cannot; ``torch.compile``,
     which the deferred node's backward-time ``autograd.grad`` would break): the loss is then computed
     in forward (``indexer_loss_once``)."""
@@ -384,7 +387,7 @@ def _deferred_target(attention, state: PatchState, index: tuple, indices: torch.
         # tiles: the attention's query tiles over these indices (GQA), walked instead of each query's keys
         kl = indexer_kl_loss_given_target(iq, ik, iw, indices, target, relu=cfg.relu, backend=cfg.backend,
                                           check_range=False, reduction="mean" if count is None else "sum",
-                                          tiles=tiles)
+                                          tiles=tiles, index_lse=index_lse)
         return kl if count is None else kl / count
 
     return attention.defer_target(
@@ -446,7 +449,7 @@ def dsa_attention_tiled(
         compaction = None
         if index is not None and part.key_mask is not None:
             compaction = Compaction(part.key_mask, part.windows(B, b - a, b, kv.device)[0], b - a, None)
-        indices, attended = _selection(state, part, compaction, (B, b - a, b), kv.device, index=index,
+        indices, attended, _ = _selection(state, part, compaction, (B, b - a, b), kv.device, index=index,
                                        shared=shared, prev_indices=None if prev_indices is None else prev_indices[:, a:b],
                                        window=window)
         run = query_tile(a, b, indices is not None)
@@ -506,36 +509,40 @@ def sparse_step(cfg, index, shared: bool, window: int | None) -> bool:
 
 
 def _selection(state: PatchState, vis: Visibility, compaction: Compaction | None, shape: tuple, device, *, index,
-               shared: bool, prev_indices, window: int | None):
-    """``(indices, attended)`` of a sparse step: the indexer's or the source layer's selection (both the
-    same tensor), or a window layer's window (``indices`` None)."""
+               shared: bool, prev_indices, window: int | None, with_lse: bool = False):
+    """``(indices, attended, index_lse)`` of a sparse step: the indexer's or the source layer's selection (both
+    the same tensor), or a window layer's window (``indices`` None); ``index_lse`` ([B, S], the indexer's
+    log-sum-exp over each query's selection) with ``with_lse`` for a layer with an indexer, else None."""
     B, S, T = shape
     cfg = state.config
     if index is None and not shared:
-        return None, window_indices(vis, window, B, S, T, device)
+        return None, window_indices(vis, window, B, S, T, device), None
+    index_lse = None
     if index is not None:
         # K >= visible keys returns every visible key, so min(topk, T) selects the same set.
-        indices = _select(index, vis, compaction, min(int(cfg.topk), T), cfg)
+        indices, index_lse = _select(index, vis, compaction, min(int(cfg.topk), T), cfg, with_lse)
         if cfg.selection_replay and in_backward() and not replaying():
             _warn_selection_recomputed(state)
     elif prev_indices is None:
         raise ValueError("an IndexShare 'shared' layer needs the indices of a previous 'full' indexer layer")
     else:
         indices = share_selection(prev_indices)
-    return indices, indices
+    return indices, indices, index_lse
 
 
-def _select(index, vis: Visibility, compaction: Compaction | None, topk: int, cfg) -> torch.Tensor:
-    """The layer's selection: hytopk on the indexer's detached outputs, in compacted order under a
+def _select(index, vis: Visibility, compaction: Compaction | None, topk: int, cfg, with_lse: bool):
+    """``(indices, index_lse or None)``: hytopk on the indexer's detached outputs, in compacted order under a
     padding mask (exact top-k among each real query's visible keys; ``_compaction``)."""
     iq, ik, iw = (t.detach() for t in index)
     if compaction is None:
-        return hytopk(iq, ik, iw, topk, cu_seqlens=vis.cu_seqlens, window_start=vis.window_start, relu=cfg.relu,
-                      backend=cfg.backend)
+        out = hytopk(iq, ik, iw, topk, cu_seqlens=vis.cu_seqlens, window_start=vis.window_start, relu=cfg.relu,
+                     return_lse=with_lse, backend=cfg.backend)
+        return out if with_lse else (out, None)
     c = compaction
-    indices = hytopk(c.queries(iq), c.keys(ik), c.queries(iw), topk, window_start=c.window_start, relu=cfg.relu,
-                     backend=cfg.backend)
-    return c.to_original(indices)
+    out = hytopk(c.queries(iq), c.keys(ik), c.queries(iw), topk, window_start=c.window_start, relu=cfg.relu,
+                 return_lse=with_lse, backend=cfg.backend)
+    indices, index_lse = out if with_lse else (out, None)
+    return c.to_original(indices), None if index_lse is None else c.rows_to_original(index_lse)
 
 
 def _dense_inputs(attention, index, vis: Visibility, compaction: Compaction | None, lse=None):

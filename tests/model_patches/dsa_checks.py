@@ -114,9 +114,9 @@ def _capture_patched_selections(monkeypatch):
     original = _dsa_step.hytopk
 
     def recording(*args, **kwargs):
-        idx = original(*args, **kwargs)
-        captured.append(idx)
-        return idx
+        out = original(*args, **kwargs)
+        captured.append(out[0] if isinstance(out, tuple) else out)  # (indices, lse) when the KL wants the lse
+        return out
 
     monkeypatch.setattr(_dsa_step, "hytopk", recording)
     return captured

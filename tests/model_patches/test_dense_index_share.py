@@ -97,9 +97,9 @@ def test_shared_layers_attend_over_the_source_tensor_itself(monkeypatch):
     ptrs, original = [], _dsa_step._selection
 
     def recording(*args, **kwargs):
-        indices, attended = original(*args, **kwargs)
+        indices, attended, index_lse = original(*args, **kwargs)
         ptrs.append(indices.data_ptr())
-        return indices, attended
+        return indices, attended, index_lse
 
     monkeypatch.setattr(_dsa_step, "_selection", recording)
     ids = tokens(1, 10)
