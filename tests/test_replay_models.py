@@ -256,22 +256,31 @@ def test_the_gqa_indexer_loss_walks_the_attention_tiles(monkeypatch):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
 @pytest.mark.parametrize("model_type", MODELS)
-def test_deferred_indexer_loss_is_the_loss_computed_in_forward(model_type, monkeypatch):
+def test_deferred_indexer_loss_is_the_loss_computed_in_forward(model_type, padded, monkeypatch):
     """The sparse stage takes the KL target from its attention (here the torch path, which fills it in
     forward; the Triton path fills it in backward, ``tests/kernels/sparse_attn/test_mla.py`` and
-    ``test_head_probs.py``); the loss and every gradient match the loss computed in forward from the
+    ``test_head_probs.py``) and its selection's lse from hytopk (with padding, selected in compacted order
+    and moved back per query); the loss and every gradient match the loss computed in forward from the
     attention tensors."""
     from hyscale_hf.model_patches import _dsa_step
     from hyscale_hf.state import patch_state
 
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    if padded:  # left padding in one row, a hole in the other
+        mask[0, :5] = 0
+        mask[1, 9:12] = 0
     results = []
     for deferred in (True, False):
         if not deferred:
             monkeypatch.setattr(_dsa_step, "_deferred_target", lambda *args: None)
         model = _patched(model_type)
         model.gradient_checkpointing_enable()
-        grads = _step(model, _ids())
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads = _grads(model)
         results.append((grads, patch_state(model).pop_indexer_loss()))
     (got, loss), (want, want_loss) = results
     assert loss == pytest.approx(want_loss, rel=1e-5) and want_loss > 0

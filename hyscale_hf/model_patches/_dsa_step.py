@@ -450,8 +450,8 @@ def dsa_attention_tiled(
         if index is not None and part.key_mask is not None:
             compaction = Compaction(part.key_mask, part.windows(B, b - a, b, kv.device)[0], b - a, None)
         indices, attended, _ = _selection(state, part, compaction, (B, b - a, b), kv.device, index=index,
-                                       shared=shared, prev_indices=None if prev_indices is None else prev_indices[:, a:b],
-                                       window=window)
+                                          shared=shared, window=window,
+                                          prev_indices=None if prev_indices is None else prev_indices[:, a:b])
         run = query_tile(a, b, indices is not None)
         if (a, b) == bounds[-1] and in_replay_checkpoint():
             # In a checkpointed layer the last tile runs without its own checkpoint: what it saves in the

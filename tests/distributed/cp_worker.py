@@ -55,10 +55,10 @@ def _batch(kind: str):
 def _record_selections(store: list):
     original = _dsa_step._select
 
-    def recording(index, vis, compaction, topk, cfg):
-        indices = original(index, vis, compaction, topk, cfg)
+    def recording(index, vis, compaction, topk, cfg, with_lse):
+        indices, index_lse = original(index, vis, compaction, topk, cfg, with_lse)
         store.append(indices.clone())
-        return indices
+        return indices, index_lse
 
     _dsa_step._select = recording
     return lambda: setattr(_dsa_step, "_select", original)

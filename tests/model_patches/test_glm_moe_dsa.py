@@ -48,7 +48,7 @@ def test_indexshare_shared_layer_reuses_its_source_of_the_same_forward(monkeypat
     model(x, labels=x).loss.backward()
     # forward: layers 0 and 2 select, layer 1 reuses; backward recomputes all three layers
     assert len(selections) == 4 and len(reuses) == 2
-    forward_source = selections[0][1]
+    forward_source = selections[0][1][0]  # hytopk's (indices, lse): training wants the lse for the KL
     for reused_input, shared in reuses:
         assert reused_input is forward_source and shared.data_ptr() == forward_source.data_ptr()
 
