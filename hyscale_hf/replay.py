@@ -21,17 +21,15 @@ each replayed selection and raises ``SelectionReplayMismatch`` if it differs.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _disable_current_modes,
-    _get_current_dispatch_mode_stack,
-)
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .kernels import kept_ops as _kept_ops
 from .kernels.sparse_attn.forward_op import kept_by_replay, sparse_attention_forward_op
 from .kernels.topk import hytopk_op, selection_counts
 from .state import in_backward
@@ -42,19 +40,24 @@ _SHARED_RUNS = {"forward": 0, "recompute": 0}
 
 
 @torch.library.custom_op("hyscale::reuse_indices", mutates_args=())
+def reuse_indices_op(indices: torch.Tensor) -> torch.Tensor:
+    """The op of ``reuse_indices``: a copy of ``indices``."""
+    _SHARED_RUNS["recompute" if in_backward() else "forward"] += 1
+    return indices.clone()
+
+
+@reuse_indices_op.register_fake
+def _(indices):
+    return torch.empty_like(indices)
+
+
 def reuse_indices(indices: torch.Tensor) -> torch.Tensor:
     """An IndexShare layer's copy of its source layer's indices.
 
     Saved by the replay policy, so a recomputed shared layer uses exactly the indices of *its own*
     forward invocation even if the holder it read them from was overwritten since.
     """
-    _SHARED_RUNS["recompute" if in_backward() else "forward"] += 1
-    return indices.clone()
-
-
-@reuse_indices.register_fake
-def _(indices):
-    return torch.empty_like(indices)
+    return kept_call(reuse_indices_op, indices)
 
 
 # The tensors share_selection hands to shared_selection, by slot, for the duration of one call.
@@ -82,14 +85,14 @@ def share_selection(indices: torch.Tensor) -> torch.Tensor:
     slot = next(_NEXT_SLOT)
     _SLOTS[slot] = indices
     try:
-        return shared_selection(slot)
+        return kept_call(shared_selection, slot)
     finally:
         del _SLOTS[slot]
 
 
 # ----------------------------------------------------------------------------- policy
 
-SELECTION_OPS = frozenset({hytopk_op._opoverload, reuse_indices._opoverload, shared_selection._opoverload})
+SELECTION_OPS = frozenset({hytopk_op._opoverload, reuse_indices_op._opoverload, shared_selection._opoverload})
 _ATTENTION_FORWARD = sparse_attention_forward_op._opoverload
 
 
@@ -99,12 +102,6 @@ def replay_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     attention's forward kernels); recompute everything else."""
     if op in SELECTION_OPS or (op is _ATTENTION_FORWARD and kept_by_replay(args, kwargs)):
         return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The policy under an offloading store: the selections are kept by ``_SelectionStore`` instead, and
-    the attention's output is recomputed (offloading is for contexts where device memory is short)."""
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -146,117 +143,115 @@ class SelectionReplayMismatch(RuntimeError):
     """Verify mode: a recomputed selection differs from the one saved in forward."""
 
 
-class _SelectionStore:
-    """The selections of one checkpointed call, kept by hand where selective checkpointing would keep
-    them in its own device-side cache: each output tensor goes through ``offload.pack`` (pinned host
-    memory, ``hyscale_hf.offload``) in forward and comes back through ``offload.unpack`` in recompute,
-    in the order the ops ran."""
+class _Region:
+    """The kept outputs of one replaying checkpoint call: its forward runs each kept op and keeps its output
+    (``keep``), its recompute takes them back in the order the ops ran (``take``), per op. Selections are
+    always kept (through ``offload.pack`` into pinned host memory when an offload is on); the attention's
+    output where its call says so (``kept_by_replay``), and not under an offload (offloading is for
+    contexts where device memory is short)."""
 
-    def __init__(self, offload) -> None:
-        self.offload = offload
+    def __init__(self, layer: str, verify: bool, offload, owner: torch.nn.Module | None) -> None:
+        self.layer, self.verify, self.offload, self.owner = layer, verify, offload, owner
         self.saved: dict = defaultdict(list)
+        self.taken: dict = defaultdict(int)
 
-    # The copies run with every dispatch mode off: the selective-checkpoint modes below must not count
-    # them among the region's ops (the recompute would then see ops the forward did not run).
-    def put(self, func, out) -> None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        with _disable_current_modes():
-            packed = [self.offload.pack(t.detach(), "selection") for t in outs]
-        self.saved[func].append((type(out), packed))
-
-    def take(self, func, call: int):
-        entries = self.saved.get(func, [])
-        if call >= len(entries) or entries[call] is None:
-            raise RuntimeError(f"selection replay: recompute ran {func} more often than the forward did")
-        kind, packed = entries[call]
-        entries[call] = None
-        with _disable_current_modes():
-            outs = [self.offload.unpack(t) for t in packed]
-        return kind(outs) if kind in (tuple, list) else outs[0]
-
-
-class _OnTopOf(TorchDispatchMode):
-    """A dispatch mode entered on top of ``below`` (a selective-checkpoint mode): one context to hand
-    ``torch.utils.checkpoint``, the two modes entered and left together."""
-
-    def __init__(self, below: TorchDispatchMode) -> None:
-        super().__init__()
-        self.below = below
-
-    def __enter__(self):
-        self.below.__enter__()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self.below.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        try:
-            super().__exit__(exc_type, exc_value, traceback)
-        finally:
-            self.below.__exit__(exc_type, exc_value, traceback)
-
-
-class _ReplayForwardMode(_OnTopOf):
-    """Forward side of the replay context with a ``_SelectionStore``: SAC's caching mode below (which
-    keeps nothing: ``_recompute_all``), this mode on top handing each selection's output to the store."""
-
-    def __init__(self, caching_mode: TorchDispatchMode, store: _SelectionStore) -> None:
-        super().__init__(caching_mode)
-        self.store = store
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def keeps(self, func, args: tuple) -> bool:
         if func in SELECTION_OPS:
-            self.store.put(func, out)
-        return out
+            return True
+        return func is _ATTENTION_FORWARD and self.offload is None and kept_by_replay(args, {})
 
+    def keep(self, func, out) -> None:
+        if self.offload is not None:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            out = (type(out), [self.offload.pack(t.detach(), "selection") for t in outs])
+        self.saved[func].append(out)
 
-class _ReplayRecomputeMode(_OnTopOf):
-    """Recompute side of the replay context: SAC's cache below, this mode on top of it.
+    def take(self, func):
+        entries = self.saved.get(func, [])
+        call = self.taken[func]
+        self.taken[func] += 1
+        if call >= len(entries) or entries[call] is None:
+            raise RuntimeError(f"selection replay: the recompute of {self.layer!r} ran {func} more often than its "
+                               "forward did")
+        out, entries[call] = entries[call], None
+        if self.offload is not None:
+            kind, packed = out
+            outs = [self.offload.unpack(t) for t in packed]
+            out = kind(outs) if kind in (tuple, list) else outs[0]
+        return out, call
 
-    Every selection op first reaches this mode, which takes the saved output from the cache below
-    (or from the ``_SelectionStore``, when the selections are offloaded) so the op does not run,
-    counts it, and in verify mode also reruns the op with all dispatch modes off and compares the
-    indices bit for bit.
-    """
-
-    def __init__(self, cached_mode: TorchDispatchMode, layer: str, verify: bool,
-                 store: _SelectionStore | None = None, owner: torch.nn.Module | None = None) -> None:
-        super().__init__(cached_mode)
-        self.layer = layer
-        self.verify = verify
-        self.store = store
-        self.owner = owner
-        self.calls: dict = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in SELECTION_OPS:
-            return func(*args, **kwargs)
-        call = self.calls[func]
-        self.calls[func] += 1
-        if self.store is not None:
-            saved = self.store.take(func, call)
-        else:
-            saved = func(*args, **kwargs)  # served from the forward's copy by the SAC mode below
-        saved_indices = saved[0] if isinstance(saved, (tuple, list)) else saved
-        _REPLAY["replayed_selections"] += 1
-        _REPLAY["replayed_indices"] += saved_indices.numel()
-        if self.verify:
-            with _disable_current_modes():  # a real rerun, and a comparison the SAC cache must not see
-                fresh = func(*args, **kwargs)
+    def call(self, func, args: tuple, recompute: bool):
+        if not self.keeps(func, args):
+            return func(*args)
+        if not recompute:
+            out = func(*args)
+            self.keep(func, out)
+            return out
+        saved, call = self.take(func)
+        if func in SELECTION_OPS:
+            saved_indices = saved[0] if isinstance(saved, (tuple, list)) else saved
+            _REPLAY["replayed_selections"] += 1
+            _REPLAY["replayed_indices"] += saved_indices.numel()
+            if self.verify:
+                fresh = func(*args)
                 fresh_indices = fresh[0] if isinstance(fresh, (tuple, list)) else fresh
                 _REPLAY["verified_selections"] += 1
                 _check_same_selection(saved_indices, fresh_indices, func, call, self.layer)
         return saved
 
 
+class _Phase:
+    """One side of a replaying checkpoint call, its forward or its recompute, as ``torch.utils.checkpoint``
+    enters it around the whole region. It only marks the thread (``_phases``): the kept ops alone go
+    through the region (``kept_call``). Selective checkpointing's dispatch modes over the whole region
+    (what the replay ran under before) cost every op of it a trip through Python, thousands a step."""
+
+    def __init__(self, region: _Region, recompute: bool) -> None:
+        self.region, self.recompute = region, recompute
+
+    def __enter__(self):
+        _phases().append(self)
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        stack = _phases()
+        if stack and stack[-1] is self:
+            stack.pop()
+        return False
+
+
+_LOCAL = threading.local()  # a recompute runs on autograd's thread for the device, not the caller's
+
+
+def _phases() -> list[_Phase]:
+    """This thread's open replay phases, outermost first."""
+    stack = getattr(_LOCAL, "phases", None)
+    if stack is None:
+        stack = _LOCAL.phases = []
+    return stack
+
+
+def kept_call(func, *args):
+    """``func(*args)`` for an op a replaying checkpoint may keep (installed for the kernels as
+    ``kernels.kept_ops.kept_call``): inside a replay phase, through its region (kept in forward, taken
+    back in the recompute); elsewhere, and under ``torch.compile`` (whose regions run under the
+    selective-checkpoint modes, ``ReplayContextFn``), a plain call."""
+    if torch.compiler.is_compiling():
+        return func(*args)
+    stack = _phases()
+    if not stack:
+        return func(*args)
+    phase = stack[-1]
+    return phase.region.call(func._opoverload if hasattr(func, "_opoverload") else func, args, phase.recompute)
+
+
+_kept_ops.install(kept_call)
+
+
 def _check_same_selection(saved: torch.Tensor, fresh: torch.Tensor, func, call: int, layer: str) -> None:
     if saved.shape == fresh.shape and saved.dtype == fresh.dtype and torch.equal(saved, fresh):
         return
-    shared = func in (reuse_indices._opoverload, shared_selection._opoverload)
+    shared = func in (reuse_indices_op._opoverload, shared_selection._opoverload)
     what = "IndexShare indices" if shared else "HyTopK selection"
     if saved.shape != fresh.shape or saved.dtype != fresh.dtype:
         detail = f"saved {tuple(saved.shape)} {saved.dtype}, recomputed {tuple(fresh.shape)} {fresh.dtype}"
@@ -300,14 +295,11 @@ class ReplayContextFn:
 
     def __call__(self):
         verify = bool(self.verify() if callable(self.verify) else self.verify)
+        if torch.compiler.is_compiling():  # the compiler traces selective checkpointing's modes over the region
+            return create_selective_checkpoint_contexts(replay_policy)
         offload = self.offload() if self.offload is not None else None
-        if offload is None:
-            forward_mode, cached_mode = create_selective_checkpoint_contexts(replay_policy)
-            return forward_mode, _ReplayRecomputeMode(cached_mode, self.layer, verify, owner=self.owner)
-        store = _SelectionStore(offload)
-        caching_mode, cached_mode = create_selective_checkpoint_contexts(_recompute_all)
-        return (_ReplayForwardMode(caching_mode, store),
-                _ReplayRecomputeMode(cached_mode, self.layer, verify, store, self.owner))
+        region = _Region(self.layer, verify, offload, self.owner)
+        return _Phase(region, False), _Phase(region, True)
 
     def __repr__(self) -> str:
         return f"ReplayContextFn(layer={self.layer!r})"
@@ -315,9 +307,10 @@ class ReplayContextFn:
 
 def replaying() -> bool:
     """True inside the recompute of a checkpoint that replays selections (a ``ReplayContextFn``'s
-    recompute mode is on the dispatch stack). A selection op that runs in backward while this is False
-    was recomputed by a checkpoint without the replay context (reentrant, or no ``context_fn``)."""
-    return any(isinstance(mode, _ReplayRecomputeMode) for mode in _get_current_dispatch_mode_stack())
+    recompute phase is open on this thread). A selection op that runs in backward while this is False
+    was recomputed by a checkpoint without the replay context (reentrant, or no ``context_fn``). False
+    while torch.compile traces (a compiled region's recompute is the compiler's graph)."""
+    return not torch.compiler.is_compiling() and any(phase.recompute for phase in _phases())
 
 
 def recompute_owner() -> torch.nn.Module | None:
@@ -328,29 +321,25 @@ def recompute_owner() -> torch.nn.Module | None:
     torch.compile traces: a compiled region's recompute is the compiler's graph, not this eager one."""
     if torch.compiler.is_compiling():
         return None
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, _ReplayRecomputeMode):
-            return mode.owner
+    for phase in reversed(_phases()):
+        if phase.recompute:
+            return phase.region.owner
     return None
 
 
 def in_replay_checkpoint() -> bool:
     """True inside a checkpointed region with the replay context, in its forward or its recompute: what
     the region saves there lives only until its backward (recomputed regions), not from forward on."""
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, (_ReplayForwardMode, _ReplayRecomputeMode)):
-            return True
-        if getattr(mode, "policy_fn", None) is replay_policy:  # SAC's caching mode of the plain forward
-            return True
-    return False
+    if not torch.compiler.is_compiling():
+        return bool(_phases())
+    # traced: the region runs under selective checkpointing's caching mode with the replay policy
+    return any(getattr(mode, "policy_fn", None) is replay_policy for mode in _get_current_dispatch_mode_stack())
 
 
 def placeholder_indices(batch: int, queries: int, device) -> torch.Tensor:
     """An empty int32 ``[batch, queries, 0]`` for ``share_selection`` in a replaying recompute whose source
-    selection is gone (the replay returns the forward's selection whatever the op is given). Made with the
-    dispatch modes off: selective checkpointing refuses ops in a recompute that its forward did not run."""
-    with _disable_current_modes():
-        return torch.empty(batch, queries, 0, dtype=torch.int32, device=device)
+    selection is gone (the replay returns the forward's selection whatever the op is given)."""
+    return torch.empty(batch, queries, 0, dtype=torch.int32, device=device)
 
 
 def replay_context_fn(layer: str = "<checkpointed region>", verify: bool = False) -> ReplayContextFn:

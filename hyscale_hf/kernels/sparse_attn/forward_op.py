@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kept_ops import kept_call
 from .host import KeyLists, forward_launch, forward_plan
 
 
@@ -57,6 +58,7 @@ def kept_by_replay(args: tuple, kwargs: dict) -> bool:
 def sparse_attention_forward(q, k, v, indices, scale: float, config, unique: bool = False):
     """o, lse and the key lists (saved for the backward) of ``indices``, the kernels run through the op."""
     lists, run, launch = forward_plan(q, k, v, indices, config, unique=unique)
-    o, lse = sparse_attention_forward_op(q, k, v, run.idx, run.num, run.bits, run.tile_q, float(scale), launch,
-                                         output_is_small(q, v, indices))
+    # a replaying checkpoint keeps small outputs (hyscale_hf.replay)
+    o, lse = kept_call(sparse_attention_forward_op, q, k, v, run.idx, run.num, run.bits, run.tile_q, float(scale),
+                       launch, output_is_small(q, v, indices))
     return o, lse, lists

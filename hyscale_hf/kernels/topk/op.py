@@ -17,6 +17,7 @@ from ..checks import (
     check_topk,
     resolve_backend,
 )
+from ..kept_ops import kept_call
 from . import selection_counts
 from .host import HAS_TRITON, hytopk_triton
 from .naive import hytopk_reference, selected_lse
@@ -185,7 +186,8 @@ def hytopk(
         if tuple(window_start.shape) not in ((B,), (B, S)):
             raise ValueError(f"window_start must have shape [B={B}] or [B={B}, S={S}], got {tuple(window_start.shape)}")
     chosen = resolve_backend(backend, q.device, HAS_TRITON)
-    indices, scores, lse = hytopk_op(q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen, return_scores,
-                                     return_lse)
+    # a replaying checkpoint keeps the op's outputs (hyscale_hf.replay)
+    indices, scores, lse = kept_call(hytopk_op, q, k, w, topk, cu_seqlens, window_start, relu, check_nan, chosen,
+                                     return_scores, return_lse)
     outputs = (indices,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     return outputs if len(outputs) > 1 else indices
