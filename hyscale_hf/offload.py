@@ -8,7 +8,7 @@ come on top. ``HostOffload`` moves them to pinned host memory and back:
   Non-reentrant checkpoint saves its inputs through the hooks active at the call; inside the layer its
   own hooks take over, so only the inputs come here.
 - ``stash(tensors)`` / ``fetch(handles)``: the same for tensors held by hand; ``pack`` / ``unpack``
-  for one tensor (selection replay keeps the selections this way: ``replay._SelectionStore``).
+  for one tensor (selection replay keeps the selections this way: ``replay._Region``).
 
 The device-to-host copy runs on a side stream after the compute stream has produced the tensor
 (``record_stream`` keeps its memory from reuse until the copy is done). When backward asks for a

@@ -1,18 +1,21 @@
 """Selection replay: checkpoint recomputation reuses the forward's indices (docs/design.md section 7).
 
-Selections enter the graph only through dispatcher-visible custom ops (``hyscale::hytopk`` for a
-full indexer layer, ``hyscale::shared_selection`` (or, under ``torch.compile``, the copying
-``hyscale::reuse_indices``) for an IndexShare layer taking its source layer's indices), so a
-selective-checkpoint policy can save their outputs and the recompute replays them:
-the indexer and its top-k never run in backward, and backward uses exactly the forward's selection.
-The same policy keeps the sparse attention's output where it is small (``hyscale::sparse_attention_forward``).
+Selections enter the graph only through custom ops (``hyscale::hytopk`` for a full indexer layer,
+``hyscale::shared_selection`` (or, under ``torch.compile``, the copying ``hyscale::reuse_indices``) for an
+IndexShare layer taking its source layer's indices), which their callers run through
+``kernels.kept_ops.kept_call``. Inside a checkpointed region with the replay context (``ReplayContextFn``)
+that call goes through the region (``_Region``): the forward keeps the outputs, the recompute takes them
+back instead of running the op, so the indexer and its top-k never run in backward and backward uses
+exactly the forward's selection. The region keeps the sparse attention's output too where it is small
+(``hyscale::sparse_attention_forward``). Every other op runs as under a plain checkpoint (no dispatch
+mode); under ``torch.compile`` the context is selective checkpointing's with ``replay_policy``.
 
 This module is the generic part, usable with any ``torch.utils.checkpoint`` call and free of
-Transformers: the ``reuse_indices`` op, the policy, ``ReplayContextFn`` (the ``context_fn`` that
-applies it, with verify mode) and the counters. ``replay_context_fn()`` is the way in for your own
-non-reentrant ``checkpoint(...)`` calls. The ways in through Transformers' gradient checkpointing
-(``enable_selection_replay``, ``wrap_layers_for_replay``) are glue and live in
-``hyscale_hf/model_patches/_checkpointing.py``.
+Transformers: the ``reuse_indices`` op, the region, ``ReplayContextFn`` (the ``context_fn``, with verify
+mode and the offload of the selections), the policy for compiled regions and the counters.
+``replay_context_fn()`` is the way in for your own non-reentrant ``checkpoint(...)`` calls. The ways in
+through Transformers' gradient checkpointing (``enable_selection_replay``, ``wrap_layers_for_replay``) are
+glue and live in ``hyscale_hf/model_patches/_checkpointing.py``.
 
 ``selection_stats()`` counts what ran where; verify mode (``HyScaleConfig.verify_replay``) reruns
 each replayed selection and raises ``SelectionReplayMismatch`` if it differs.
@@ -97,9 +100,10 @@ _ATTENTION_FORWARD = sparse_attention_forward_op._opoverload
 
 
 def replay_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy: keep the selections, and the sparse attention's output where it is no
-    larger than the selection (``kernels/sparse_attn/forward_op.py``: the recompute then skips the
-    attention's forward kernels); recompute everything else."""
+    """Selective-checkpoint policy of a region ``torch.compile`` traces (eager regions keep the same ops
+    through ``_Region``): keep the selections, and the sparse attention's output where it is no larger than
+    the selection (``kernels/sparse_attn/forward_op.py``: the recompute then skips the attention's forward
+    kernels); recompute everything else."""
     if op in SELECTION_OPS or (op is _ATTENTION_FORWARD and kept_by_replay(args, kwargs)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

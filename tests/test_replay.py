@@ -281,6 +281,45 @@ def test_replay_context_fn_for_manual_checkpoint_calls():
     assert isinstance(hyscale_hf.replay_context_fn(), ReplayContextFn)
 
 
+def test_the_region_runs_without_dispatch_modes():
+    """Only the kept ops go through the replay: the region's other ops, in forward and in recompute, see
+    no dispatch mode (selective checkpointing's modes over the region cost each op a Python trip)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from hyscale_hf.replay import in_replay_checkpoint, replaying
+
+    seen = []
+    q = torch.randn(1, 12, 2, 8, requires_grad=True)
+    k = torch.randn(1, 12, 8, requires_grad=True)
+
+    def block(q, k):
+        seen.append((len(_get_current_dispatch_mode_stack()), in_replay_checkpoint(), replaying()))
+        idx = hyscale_hf.hytopk(q.detach(), k.detach(), torch.rand(1, 12, 2), 3, backend="torch")
+        return hyscale_hf.sparse_attention(q, k.unsqueeze(2), k.unsqueeze(2), idx, backend="torch").sum()
+
+    hyscale_hf.reset_selection_stats()
+    out = torch.utils.checkpoint.checkpoint(block, q, k, use_reentrant=False,
+                                            context_fn=hyscale_hf.replay_context_fn("block"))
+    out.backward()
+    assert seen == [(0, True, False), (0, True, True)]  # forward, then the recompute
+    assert not in_replay_checkpoint() and not replaying()
+    stats = hyscale_hf.selection_stats()
+    assert stats["indexer_recompute"] == 0 and stats["replayed_selections"] == 1
+
+
+def test_kept_calls_without_the_replay_run_the_op():
+    """The kernels' hook: without one installed, ``kept_call`` is the op itself."""
+    from hyscale_hf.kernels import kept_ops
+
+    hook = kept_ops._HOOK
+    try:
+        kept_ops.install(None)
+        assert kept_ops.kept_call(lambda a, b: a + b, 2, 3) == 5
+    finally:
+        kept_ops.install(hook)
+    assert hook is hyscale_hf.replay.kept_call
+
+
 @pytest.mark.skipif(not hyscale_hf.kernels.sparse_attn.host.HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("heads,dv,kept", [(2, 16, True), (8, 64, False)], ids=["small_output", "large_output"])
 def test_replay_keeps_a_small_attention_output_and_skips_its_forward_in_recompute(heads, dv, kept, monkeypatch):

@@ -112,8 +112,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
         if not compute_output:  # the caller drops the output: save for backward, skip the down projection
             # Zeros of the output's shape and dtype (gate's: the forward's matmul dtype, autocast or not),
-            # made with the dispatch modes off: a selective-checkpoint recompute (where callers skip)
-            # refuses ops that its forward did not run.
+            # made with the dispatch modes off: under torch.compile a replaying region runs under selective
+            # checkpointing's modes, whose recompute (where callers skip) refuses ops its forward did not run.
             with _disable_current_modes():
                 return torch.zeros(*x.shape[:-1], w_down.shape[0], dtype=gate.dtype, device=x.device)
         return F.linear(_swiglu_product(gate, up, use_triton), w_down)
