@@ -253,8 +253,8 @@ def indexer_kl_bwd_kernel(
 
     dq = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     dw = tl.zeros((BLOCK_H,), tl.float32)
-    a = tl.zeros((BLOCK_K,), tl.float32)  # ONE_PASS: sum P log P and sum P I, per slot lane
-    c = tl.zeros((BLOCK_K,), tl.float32)
+    a = tl.zeros((), tl.float32)  # ONE_PASS: sum P log P and sum P I
+    c = tl.zeros((), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k, kmask, valid, safe_idx, kt, qk = _indexer_key_tile(
             ik_ptr, idx_ptr, q, b, i, k0, K, s_ik_b, s_ik_t, s_idx_b, s_idx_s, offs_d, dmask, BLOCK_K, PRECISION
@@ -267,8 +267,8 @@ def indexer_kl_bwd_kernel(
         d_i = tl.where(valid, g_soft * tl.exp(logit_i - lse_i) - g_p * p_un, 0.0)
         if ONE_PASS:
             p_live = tl.where(valid, p_un, 0.0)
-            a += tl.where(p_live > 0, p_live * tl.log(tl.where(p_live > 0, p_live, 1.0)), 0.0)
-            c += p_live * logit_i
+            a += tl.sum(tl.where(p_live > 0, p_live * tl.log(tl.where(p_live > 0, p_live, 1.0)), 0.0))
+            c += tl.sum(p_live * logit_i)
         dw += tl.sum(r * d_i[None, :], axis=1)
         dqk = w[:, None] * d_i[None, :]
         if RELU:
@@ -283,5 +283,5 @@ def indexer_kl_bwd_kernel(
     tl.store(dw_ptr + row * H + offs_h, dw, mask=hmask)
     if ONE_PASS:
         z_safe = tl.where(z > 0, z, 1.0)
-        kl = tl.where(z > 0, (tl.sum(a) - tl.sum(c)) / z_safe - tl.log(z_safe) + lse_i, 0.0)
+        kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
         tl.store(kl_ptr + row, kl)
