@@ -55,7 +55,7 @@ for s in $stages; do
       stage bench_hytopk 300 python3 scripts/bench_hytopk.py --out "$RES" ${HYTOPK_ARGS:-}
       stage bench_sparse_attention 240 python3 scripts/bench_sparse_attention.py --out "$RES" ${SATTN_ARGS:-}
       stage bench_indexer_loss 120 python3 scripts/bench_indexer_loss.py --out "$RES/bench_indexer_loss.json"
-      stage bench_indexer_loss_tiles 120 python3 scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 \
+      stage bench_indexer_loss_tiles 240 python3 scripts/bench_indexer_loss.py --tiles --sizes 32768 131072 \
         --out "$RES/bench_indexer_loss_tiles.json"
       stage bench_lm_loss 200 python3 scripts/bench_lm_loss.py --out "$RES/lm_loss" ${LM_LOSS_ARGS:-} ;;
     kl_one_pass)  # the given-target KL's one pass (the selection's lse given) against forward + backward (issue 23)
