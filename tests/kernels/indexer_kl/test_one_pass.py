@@ -8,25 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyscale_hf.benchmarking.inputs import causal_indices
 from hyscale_hf.kernels import hytopk
 from hyscale_hf.kernels.checks import triton_usable
 from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target
 from hyscale_hf.kernels.indexer_kl import op as op_module
 from hyscale_hf.kernels.indexer_kl.naive import selected_index_logits
 from hyscale_hf.kernels.sparse_attn.host import union_tiles
+from tests.kernels.indexer_kl.test_tiled import _case as tiled_case
 
 needs_interpreter = pytest.mark.skipif(not triton_usable(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
 
 
-def _case(*, B=2, S=21, T=40, H=2, D=16, K=12, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    iq = torch.randn(B, S, H, D, generator=g).to(dtype)
-    ik = torch.randn(B, T, D, generator=g).to(dtype)
-    iw = torch.rand(B, S, H, generator=g) + 0.2
-    idx = causal_indices(B, S, T, K, generator=g, local=5, sinks=2, empty_rows=(1,))
-    target = torch.where(idx >= 0, torch.rand(idx.shape, generator=g) + 0.05, torch.zeros(()))
-    return (iq, ik, iw), idx, target
+def _case(**kwargs):
+    """``test_tiled``'s inputs (B = 2, S = 21, T = 40, 2 x 16 indexer, K = 12, query 1 without keys)."""
+    index, idx, target, _ = tiled_case(**kwargs)
+    return index, idx, target
 
 
 def _selection_lse(index, idx, relu=True):
