@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..sparse_attn.triton_kernels import _member
+from .triton_kernels import _kl_value, _plogp
 
 # On CUDA the tiled kernels run where a tile's union holds at most this share of its pairs (mean union
 # over tile_q x K): on an H200 they beat the per-query kernels only below about 7% (2.0-2.1x at 3%,
@@ -149,7 +150,7 @@ def indexer_kl_fwd_tiled_kernel(
         # Summed through a select, not straight from the load: Triton 3.6's thread-locality pass rewrites
         # a loop's `acc += sum(load)` and asserts when the accumulator has several uses after the loop.
         z += tl.sum(tl.where(live, p_un, 0.0), axis=1)
-        a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0), axis=1)
+        a += tl.sum(_plogp(p_un), axis=1)
         c += tl.sum(tl.where(live, p_un * logit, 0.0), axis=1)
         masked = tl.where(live, logit, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(masked, axis=1))
@@ -157,10 +158,8 @@ def indexer_kl_fwd_tiled_kernel(
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(masked - m_safe[:, None]), axis=1)
         m_i = m_new
     lse_i = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
-    z_safe = tl.where(z > 0, z, 1.0)
-    kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
     out = b * S + tq
-    tl.store(KL + out, kl, mask=qmask)
+    tl.store(KL + out, _kl_value(a, c, z, lse_i), mask=qmask)
     tl.store(Z + out, z, mask=qmask)
     tl.store(LSEI + out, lse_i, mask=qmask)
 
@@ -216,7 +215,7 @@ def indexer_kl_bwd_tiled_kernel(
         )  # fmt: skip
         d_i = tl.where(live, g_soft[:, None] * tl.exp(logit - lse_i[:, None]) - g_p[:, None] * p_un, 0.0)
         if ONE_PASS:  # (summed through selects: see the forward's note on Triton 3.6)
-            a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0), axis=1)
+            a += tl.sum(_plogp(p_un), axis=1)
             c += tl.sum(tl.where(live, p_un * logit, 0.0), axis=1)
         d_rows = tl.reshape(tl.broadcast_to(d_i[:, None, :], [TQP, HP, BLOCK_N]), [TQP * HP, BLOCK_N])
         dw += tl.sum(r * d_rows, axis=1)
@@ -232,9 +231,7 @@ def indexer_kl_bwd_tiled_kernel(
     tl.store(DQ + rows_out[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
     tl.store(DW + rows_out, dw, mask=rmask)
     if ONE_PASS:
-        z_safe = tl.where(z > 0, z, 1.0)
-        kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
-        tl.store(KL + b * S + tq, kl, mask=qmask)
+        tl.store(KL + b * S + tq, _kl_value(a, c, z, lse_i), mask=qmask)
 
 
 def _tile_args(tiles):

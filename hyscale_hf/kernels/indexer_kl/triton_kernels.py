@@ -64,6 +64,20 @@ def _indexer_key_tile(ik_ptr, idx_ptr, q, b, i, k0, K, s_ik_b, s_ik_t, s_idx_b, 
 
 
 @triton.jit
+def _plogp(p):
+    """p log p elementwise, 0 where p <= 0 (the KL's A term before its sum)."""
+    return tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0)
+
+
+@triton.jit
+def _kl_value(a, c, z, lse_i):
+    """KL = A / Z - log Z - C / Z + lseI from the sums A = sum P log P, C = sum P I and Z = sum P; 0 where
+    the target is empty (Z = 0)."""
+    z_safe = tl.where(z > 0, z, 1.0)
+    return tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
+
+
+@triton.jit
 def attn_lse_kernel(
     idx_ptr, aq_ptr, ak_ptr, lse_ptr,
     S, K, DQK, G, HKV,
@@ -189,7 +203,7 @@ def indexer_kl_fwd_kernel(
         if STORE_P and not P_GIVEN:
             tl.store(p_ptr + row * K + offs_k, p_un, mask=kmask)
         z += tl.sum(p_un)
-        a += tl.sum(tl.where(p_un > 0, p_un * tl.log(tl.where(p_un > 0, p_un, 1.0)), 0.0))
+        a += tl.sum(_plogp(p_un))
         c += tl.sum(p_un * logit_i)
 
         masked_i = tl.where(valid, logit_i, float("-inf"))
@@ -199,9 +213,7 @@ def indexer_kl_fwd_kernel(
         m_i = m_new
 
     lse_i = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
-    z_safe = tl.where(z > 0, z, 1.0)
-    kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
-    tl.store(kl_ptr + row, kl)
+    tl.store(kl_ptr + row, _kl_value(a, c, z, lse_i))
     tl.store(z_ptr + row, z)
     tl.store(lsei_ptr + row, lse_i)
 
@@ -267,7 +279,7 @@ def indexer_kl_bwd_kernel(
         d_i = tl.where(valid, g_soft * tl.exp(logit_i - lse_i) - g_p * p_un, 0.0)
         if ONE_PASS:
             p_live = tl.where(valid, p_un, 0.0)
-            a += tl.sum(tl.where(p_live > 0, p_live * tl.log(tl.where(p_live > 0, p_live, 1.0)), 0.0))
+            a += tl.sum(_plogp(p_live))
             c += tl.sum(p_live * logit_i)
         dw += tl.sum(r * d_i[None, :], axis=1)
         dqk = w[:, None] * d_i[None, :]
@@ -282,6 +294,4 @@ def indexer_kl_bwd_kernel(
              mask=hmask[:, None] & dmask[None, :])
     tl.store(dw_ptr + row * H + offs_h, dw, mask=hmask)
     if ONE_PASS:
-        z_safe = tl.where(z > 0, z, 1.0)
-        kl = tl.where(z > 0, (a - c) / z_safe - tl.log(z_safe) + lse_i, 0.0)
-        tl.store(kl_ptr + row, kl)
+        tl.store(kl_ptr + row, _kl_value(a, c, z, lse_i))
