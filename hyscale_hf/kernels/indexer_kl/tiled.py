@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..sparse_attn.triton_kernels import _member
+from ..triton_math import lse_step_rows, lse_value
 from .triton_kernels import _kl_value, _plogp
 
 # On CUDA the tiled kernels run where a tile's union holds at most this share of its pairs (mean union
@@ -153,11 +154,8 @@ def indexer_kl_fwd_tiled_kernel(
         a += tl.sum(_plogp(p_un), axis=1)
         c += tl.sum(tl.where(live, p_un * logit, 0.0), axis=1)
         masked = tl.where(live, logit, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(masked, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(masked - m_safe[:, None]), axis=1)
-        m_i = m_new
-    lse_i = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+        m_i, l_i = lse_step_rows(m_i, l_i, masked, False)
+    lse_i = lse_value(m_i, l_i, 0.0, False)
     out = b * S + tq
     tl.store(KL + out, _kl_value(a, c, z, lse_i), mask=qmask)
     tl.store(Z + out, z, mask=qmask)

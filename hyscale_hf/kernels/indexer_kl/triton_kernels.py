@@ -16,6 +16,8 @@ forward then only scores the indexer.
 import triton
 import triton.language as tl
 
+from ..triton_math import lse_step, lse_step_rows, lse_value
+
 
 @triton.jit
 def _attn_logits_tile(aq_ptr, ak_ptr, q_rows, row_mask, k_rows, key_mask, DQK,
@@ -104,11 +106,8 @@ def attn_lse_kernel(
             logits = _attn_logits_tile(aq_ptr, ak_ptr, q_rows, gmask, k_rows, valid, DQK,
                                        BLOCK_G, BLOCK_K, BLOCK_DA, PRECISION) * scale_log2
             logits = tl.where(valid[None, :], logits, float("-inf"))
-            m_new = tl.maximum(m, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            acc = acc * tl.exp2(m - m_safe) + tl.sum(tl.exp2(logits - m_safe[:, None]), axis=1)
-            m = m_new
-        lse = tl.where(acc > 0, (m + tl.log2(tl.where(acc > 0, acc, 1.0))) * 0.6931471805599453, float("-inf"))
+            m, acc = lse_step_rows(m, acc, logits, True)
+        lse = lse_value(m, acc, float("-inf"), True)
         tl.store(lse_ptr + (b * S + i) * (HKV * G) + heads, lse, mask=gmask)
 
 
@@ -207,12 +206,9 @@ def indexer_kl_fwd_kernel(
         c += tl.sum(p_un * logit_i)
 
         masked_i = tl.where(valid, logit_i, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(masked_i))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(masked_i - m_safe))
-        m_i = m_new
+        m_i, l_i = lse_step(m_i, l_i, masked_i, False)
 
-    lse_i = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+    lse_i = lse_value(m_i, l_i, 0.0, False)
     tl.store(kl_ptr + row, _kl_value(a, c, z, lse_i))
     tl.store(z_ptr + row, z)
     tl.store(lsei_ptr + row, lse_i)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..bitmap import bit_slot, word_ranks
+from ..triton_math import lse_step, lse_value
 
 _I32_MIN = tl.constexpr(-(2**31))
 _I32_MAX = tl.constexpr(2**31 - 1)
@@ -436,12 +437,9 @@ def hytopk_finalize_kernel(
                 if WRITE_LSE:
                     nan_row += tl.sum((keep & (mono == _NAN_MONO)).to(tl.int32))
                     s_kept = tl.where(keep & (mono != _NAN_MONO), score, float("-inf"))
-                    m_new = tl.maximum(m_row, tl.max(s_kept))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    l_row = l_row * tl.exp(m_row - m_safe) + tl.sum(tl.exp(s_kept - m_safe))
-                    m_row = m_new
+                    m_row, l_row = lse_step(m_row, l_row, s_kept, False)
         if WRITE_LSE:
-            lse = tl.where(l_row > 0, m_row + tl.log(tl.where(l_row > 0, l_row, 1.0)), float("-inf"))
+            lse = lse_value(m_row, l_row, float("-inf"), False)
             tl.store(lse_ptr + b * S + I0 + r, tl.where(nan_row > 0, float("nan"), lse))
         for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad
             offs = p0 + tl.arange(0, BLOCK_W)
