@@ -164,14 +164,14 @@ def bench_one(T, attn, chunk):
     return row
 
 
-def bench_tiles(T: int, heads=2, dim=64, tile_q=128 // 3) -> list[dict]:
+def bench_tiles(T: int, heads=2, dim=64, tile_q=128 // 3, far_shares=(1, 64)) -> list[dict]:
     """Given-target KL per query and over query tiles, forward + backward and in one pass, same inputs."""
     g = torch.Generator(device=DEVICE).manual_seed(T)
     index = (torch.randn(1, T, heads, dim, device=DEVICE, generator=g).to(torch.bfloat16),
              torch.randn(1, T, dim, device=DEVICE, generator=g).to(torch.bfloat16),
              torch.rand(1, T, heads, device=DEVICE, generator=g) + 0.2)
     rows = []
-    for far_share in (1, 64):
+    for far_share in far_shares:
         idx = realistic_selection(T, K, sinks=16, window=1024, far_share=far_share, device=DEVICE)
         target = torch.where(idx >= 0, torch.rand(idx.shape, device=DEVICE, generator=g) + 0.05, 0.0)
         tiles = union_tiles(idx, tile_q, T, unique=True)
@@ -207,11 +207,13 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024, help="query chunk of the chunked torch baseline")
     ap.add_argument("--tiles", action="store_true", help="the given-target loss per query against over query tiles")
     ap.add_argument("--index-shape", default="2,64", help="--tiles: the indexer's heads,dim")
+    ap.add_argument("--far-shares", type=int, nargs="+", default=[1, 64],
+                    help="--tiles: how many neighbouring queries share each far key (wider unions below 64)")
     a = ap.parse_args()
     if a.tiles:
         tiled.CUDA_MAX_UNION_SHARE = 1.0  # the tiles at every union width, not only where the rule takes them
         heads, dim = (int(x) for x in a.index_shape.split(","))
-        rows = [r for T in a.sizes for r in bench_tiles(T, heads, dim)]
+        rows = [r for T in a.sizes for r in bench_tiles(T, heads, dim, far_shares=a.far_shares)]
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))
         return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

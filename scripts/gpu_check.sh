@@ -4,8 +4,8 @@
 #   bash scripts/gpu_check.sh tests kernels        # GPU tests + kernel benchmarks
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
-# SATTN_ARGS, LM_LOSS_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, head_probs and kl_one_pass are not in the default set (name them). The cp stage needs
+# SATTN_ARGS, LM_LOSS_ARGS, NCU_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, head_probs, kl_one_pass and ncu_hytopk are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -70,6 +70,9 @@ for s in $stages; do
         stage "hytopk_small_h${heads}d64" "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads "$heads" --dim 64 \
           --sweep 32768 131072 --reps 3
       done ;;
+    ncu_hytopk)  # Nsight Compute on one HyTopK call of a 4 x 64 indexer at 32K (issue 23): each kernel's details page
+      stage ncu_hytopk "${NCU_S:-240}" ncu --clock-control none --nvtx --nvtx-include "hytopk/" --set full \
+        --page details --print-units base python3 scripts/ncu_hytopk.py ${NCU_ARGS:-} ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
