@@ -5,7 +5,7 @@ bench_hytopk.py's (random bf16 q and k, positive head weights), causal, top-K.
 
     ncu --clock-control none --nvtx --nvtx-include "hytopk/" --set full \\
         python scripts/ncu_hytopk.py --heads 4 --dim 64 --seqlen 32768
-    (gpu_check.sh's ncu_hytopk stage runs this and writes the report's details page)
+    (gpu_check.sh's ncu_hytopk stage runs this once per kernel: one launch each of scan, refine, finalize)
 """
 
 from __future__ import annotations
