@@ -37,6 +37,7 @@ from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_t
 from hyscale_hf.kernels.topk.host import padded_heads, pick_config
 
 H, D, TOPK = 32, 128, 2048
+SWEEP_LSE = False  # --sweep-lse: the sweep asks for what a training step does (indices + lse, no scores)
 GiB = 2**30
 
 
@@ -205,7 +206,8 @@ def sweep(T, tflops, reps, configs):
     print(f"sweep T={T}: floor {H * D * T**2 / (tflops * 1e12) * 1e3:.2f} ms", flush=True)
     results = []
     for c, cap in configs:
-        run = lambda c=c, cap=cap, **kw: hytopk_triton(q, k, w, TOPK, config=c, cap=cap, **kw)  # noqa: E731
+        run = lambda c=c, cap=cap, **kw: hytopk_triton(  # noqa: E731
+            q, k, w, TOPK, config=c, cap=cap, return_scores=not SWEEP_LSE, return_lse=SWEEP_LSE, **kw)
         try:
             t0 = time.perf_counter()
             same = torch.equal(run()[0], ref)
@@ -246,13 +248,13 @@ def sweep_configs():
         # before its first refine (what the refines and final selection read).
         base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
         variants = [  # (BQ, num_warps, num_stages, buffer_k)
-            (8, 4, 2, 8), (8, 8, 2, 8), (8, 8, 3, 8), (16, 8, 2, 8), (8, 4, 2, 4), (8, 8, 2, 4),
+            (8, 4, 2, 8), (8, 4, 3, 8), (8, 4, 4, 8), (8, 8, 2, 8), (8, 8, 3, 8), (16, 8, 2, 8), (8, 4, 2, 4), (8, 8, 2, 4),
             (16, 4, 2, 4), (16, 8, 2, 4), (16, 8, 2, 2), (32, 8, 2, 2),
         ]
         return [
             (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk), None)
             for bq, nw, st, bk in variants
-        ]
+        ] + [(dataclasses.replace(base, finalize_warps=8), None)]
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
@@ -304,10 +306,12 @@ def main():
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
     p.add_argument("--sweep-refine", action="store_true",
                    help="the sweep times the default tiles with other refine slacks instead of other tiles")
+    p.add_argument("--sweep-lse", action="store_true",
+                   help="the sweep's calls return indices and lse, as a training step's do (default: indices, scores)")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    global H, D
-    H, D = a.heads, a.dim
+    global H, D, SWEEP_LSE
+    H, D, SWEEP_LSE = a.heads, a.dim, a.sweep_lse
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps

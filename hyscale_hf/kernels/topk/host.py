@@ -178,12 +178,34 @@ def _gluon_scan_applies(q, k, cfg: HyTopKConfig, interp: bool, cu_seqlens) -> bo
     )  # fmt: skip
 
 
-def _finalize_programs(device: torch.device) -> int:
-    """Programs of the persistent final selection: a few per SM (4 on the interpreter, which still
-    walks several rows per program)."""
+# Programs of the persistent final selection that fit on a device at once, per (device, compile
+# key): measured from the first launch's compiled kernel. Until then (the first call), 6 per SM.
+_FINALIZE_FIT: dict = {}
+
+
+def _finalize_programs(device: torch.device, key: tuple) -> int:
+    """Grid of the persistent final selection: as many programs as fit on the device at once (4 on
+    the interpreter, which still walks several rows per program). A grid larger than what fits runs
+    as a second, partial wave: on an H100 (4 x 64 indexer, T = 32K) 792 programs of 128 registers
+    ran as 1.5 waves (Nsight Compute), each program's rows after the first wave's."""
     if device.type != "cuda":
         return 4
-    return 6 * torch.cuda.get_device_properties(device).multi_processor_count
+    fit = _FINALIZE_FIT.get((device.index, key))
+    return fit if fit is not None else 6 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _resident_programs(kernel, device: torch.device) -> int:
+    """Programs of a compiled Triton kernel that fit on ``device`` at once: registers (allocated per
+    warp in units of 256), shared memory (plus the 1 KiB the driver reserves per block) and warps."""
+    props = torch.cuda.get_device_properties(device)
+    warps = kernel.metadata.num_warps
+    kernel._init_handles()  # loads the binary: n_regs is known from then on
+    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs_per_warp * warps)
+    smem = kernel.metadata.shared + 1024
+    by_smem = props.shared_memory_per_multiprocessor // smem
+    by_warps = props.max_threads_per_multi_processor // (32 * warps)
+    return props.multi_processor_count * max(1, min(by_regs, by_smem, by_warps, 32))
 
 
 def chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[int]:
@@ -350,7 +372,9 @@ def hytopk_triton(
     # Final-selection scratch: each of its n_fin (persistent) programs owns a zeroed bitmap of the key
     # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
     n_words = triton.cdiv(T, 32)
-    n_fin = max(1, min(_finalize_programs(dev), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
+    block_w = 128 if interp else 1024  # bitmap words per step of the final selection's rank pass
+    fin_key = (SC, BN, OB, cfg.select_bits, block_w, return_scores, return_lse, cfg.finalize_warps)
+    n_fin = max(1, min(_finalize_programs(dev, fin_key), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
     lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, check_nan, score_only) for _ in range(lanes)]
     # TMA needs a 16-byte aligned base and row pitch and a box of at most 256 per dimension; the
     # descriptor's [1, BN, DP] box is zero-filled past T and D, as the pointer path's masks are
@@ -421,13 +445,15 @@ def hytopk_triton(
                 dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
             if score_only or scan_only:
                 continue
-            _kernels.hytopk_finalize_kernel[(min(B * rc, n_fin),)](
+            fin = _kernels.hytopk_finalize_kernel[(min(B * rc, n_fin),)](
                 buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, lse, i0, rc, S, K, K, B * rc, n_words,
                 indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
-                NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=128 if interp else 1024,
+                NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=block_w,
                 WRITE_SCORES=return_scores, WRITE_LSE=return_lse, ASM_STORE=not interp,
                 **({} if interp else {"num_warps": cfg.finalize_warps}),
             )  # fmt: skip
+            if not interp and (dev.index, fin_key) not in _FINALIZE_FIT:
+                _FINALIZE_FIT[(dev.index, fin_key)] = _resident_programs(fin, dev)
             ls.stats += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
             if check_nan:
                 ls.nan_any |= nan_rows[:, :rc].any()

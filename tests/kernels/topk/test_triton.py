@@ -284,3 +284,40 @@ def test_score_only_sums_each_rows_visible_scores():
     visible = torch.arange(40)[None, :] <= (40 - 24 + torch.arange(24))[:, None]
     want = scores.cpu().masked_fill(~visible, 0).sum(-1)
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+class _FakeCompiled:  # the parts of a compiled Triton kernel that _resident_programs reads
+    def __init__(self, n_regs, num_warps, shared):
+        self.n_regs, self.metadata = n_regs, type("M", (), {"num_warps": num_warps, "shared": shared})()
+
+    def _init_handles(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "n_regs, warps, shared, per_sm",
+    [
+        (128, 4, 4096, 4),  # the final selection on an H100: Nsight Compute's "Block Limit Registers" 4
+        (144, 4, 4096, 3),  # with the lse: 144 registers round to 4608 a warp
+        (94, 4, 20496, 5),  # the small-indexer scan: Nsight Compute says 5 (registers)
+        (32, 4, 120_000, 1),  # shared memory bounds it
+        (16, 4, 0, 16),  # warps bound it: 2048 threads an SM
+    ],
+)
+def test_resident_programs_counts_what_fits_on_an_sm(monkeypatch, n_regs, warps, shared, per_sm):
+    props = type("P", (), dict(multi_processor_count=132, max_threads_per_multi_processor=2048,
+                               shared_memory_per_multiprocessor=233472))()  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert host._resident_programs(_FakeCompiled(n_regs, warps, shared), torch.device("cuda", 0)) == 132 * per_sm
+
+
+def test_finalize_programs_before_and_after_the_first_launch(monkeypatch):
+    props = type("P", (), dict(multi_processor_count=132))()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(host, "_FINALIZE_FIT", {})
+    dev, key = torch.device("cuda", 0), ("a config",)
+    assert host._finalize_programs(dev, key) == 6 * 132  # not launched yet
+    host._FINALIZE_FIT[(0, key)] = 528
+    assert host._finalize_programs(dev, key) == 528
+    assert host._finalize_programs(dev, ("another",)) == 6 * 132
+    assert host._finalize_programs(torch.device("cpu"), key) == 4
