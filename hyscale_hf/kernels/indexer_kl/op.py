@@ -575,8 +575,8 @@ def indexer_kl_loss_given_target(
             up to fp32 summation order. Rows of ``indices`` must then list their keys ascending, each
             once, -1 after them (``hytopk``'s rows; checked with the range). Tiles of more rows (queries
             x indexer heads) than one program holds, the torch backend, and on CUDA unions wider than
-            ``tiled.CUDA_MAX_UNION_SHARE`` of a tile's pairs (where the per-query kernels are faster)
-            use the per-query path.
+            ``tiled.CUDA_MAX_UNION_SHARE`` of a tile's pairs (``CUDA_MAX_UNION_SHARE_ONE_PASS`` with
+            ``index_lse``), where the per-query kernels are faster, use the per-query path.
         index_lse: fp32 ``[B, S]``, the log-sum-exp of each query's indexer logits over its selected keys
             (``hytopk(..., return_lse=True)``'s, from the same index_q / index_k / index_w and indices),
             or None. Given, the loss is ``KL(p || exp(I - index_lse))`` and its gradient to the logits
@@ -621,7 +621,8 @@ def indexer_kl_loss_given_target(
                          "use backend='torch' (the exact reference) for float64")
     target = target.detach()
     if resolve_backend(backend, index_q.device, kernel_dtypes) == "triton":
-        if tiles is not None and not tiled.takes_tiles(tiles, H, D, indices.shape[2], index_q.device):
+        one_pass = index_lse is not None
+        if tiles is not None and not tiled.takes_tiles(tiles, H, D, indices.shape[2], index_q.device, one_pass):
             tiles = None  # more rows than one program holds, or (CUDA) a union too wide: the per-query kernels
         indices = indices.contiguous()
         has_key = (indices >= 0).any(-1)

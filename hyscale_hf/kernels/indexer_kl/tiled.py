@@ -37,6 +37,12 @@ from .triton_kernels import _kl_value, _plogp
 # Benchmarks set 1.0 to time them everywhere. Under the interpreter (tests) they run wherever a program
 # holds the tile.
 CUDA_MAX_UNION_SHARE = 0.07
+# The same for the one pass (the selection's lse given: ``index_lse``), which saves more over tiles
+# than per query (1.37-1.42x against 1.11-1.15x), so the tiles win up to wider unions. H100, 2 x 64
+# indexer, T = 32K, one pass, tiled against per query: 6.84 against 8.73 ms at a union of 7.3% of the
+# pairs, 8.78 against 8.76 at 9.6%, 10.04 against 8.85 at 11% (forward + backward: 9.49 against 9.80
+# at 7.3%, 12.13 against 9.77 at 9.6%): ``bench_indexer_loss.py --tiles --far-shares ...``, 2026-12-06.
+CUDA_MAX_UNION_SHARE_ONE_PASS = 0.09
 
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
 # 128 rows of 128 dims or 256 rows of 64.
@@ -57,15 +63,17 @@ def tile_shape(tile_q: int, H: int, D: int) -> tuple[int, int, int] | None:
     return tqp, hp, bd
 
 
-def takes_tiles(tiles, H: int, D: int, K: int, device: torch.device) -> bool:
+def takes_tiles(tiles, H: int, D: int, K: int, device: torch.device, one_pass: bool = False) -> bool:
     """Whether the tiled kernels run over ``tiles`` (a ``sparse_attn`` ``KeyLists``) for K slots a query:
-    a program holds the tile, and on CUDA its union is small enough (``CUDA_MAX_UNION_SHARE``; lists
-    without their mean union take the per-query kernels there)."""
+    a program holds the tile, and on CUDA its union is small enough (``CUDA_MAX_UNION_SHARE``, or
+    ``CUDA_MAX_UNION_SHARE_ONE_PASS`` for the one pass; lists without their mean union take the
+    per-query kernels there)."""
     if tile_shape(tiles.tile_q, H, D) is None:
         return False
     if device.type != "cuda":
         return True
-    return 0 <= tiles.mean_union <= CUDA_MAX_UNION_SHARE * tiles.tile_q * K
+    share = CUDA_MAX_UNION_SHARE_ONE_PASS if one_pass else CUDA_MAX_UNION_SHARE
+    return 0 <= tiles.mean_union <= share * tiles.tile_q * K
 
 
 @triton.jit

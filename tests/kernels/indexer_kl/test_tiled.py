@@ -107,6 +107,13 @@ def test_on_cuda_the_tiles_take_only_narrow_unions():
     assert not tiled_module.takes_tiles(narrow._replace(mean_union=rule * 8 * K + 1), 2, 16, K, cuda)
     assert not tiled_module.takes_tiles(narrow._replace(mean_union=-1.0), 2, 16, K, cuda)  # not known
     assert not tiled_module.takes_tiles(narrow, 32, 128, K, cpu)  # 256 rows x 128 dims: no program holds it
+    # the one pass takes the tiles up to its own, wider share
+    one = tiled_module.CUDA_MAX_UNION_SHARE_ONE_PASS
+    assert one > rule
+    wider = tiles._replace(mean_union=one * 8 * K)
+    assert tiled_module.takes_tiles(wider, 2, 16, K, cuda, one_pass=True)
+    assert not tiled_module.takes_tiles(wider, 2, 16, K, cuda)
+    assert not tiled_module.takes_tiles(wider._replace(mean_union=one * 8 * K + 1), 2, 16, K, cuda, one_pass=True)
 
 
 def test_bad_tiles_are_named():
