@@ -254,7 +254,7 @@ def sweep_configs():
         return [
             (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk), None)
             for bq, nw, st, bk in variants
-        ] + [(dataclasses.replace(base, finalize_warps=8), None)]
+        ] + [(dataclasses.replace(base, **kw), None) for kw in (dict(finalize_warps=8), dict(lanes=3), dict(lanes=4))]
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
