@@ -211,7 +211,8 @@ def main():
                     help="--tiles: how many neighbouring queries share each far key (wider unions below 64)")
     a = ap.parse_args()
     if a.tiles:
-        tiled.CUDA_MAX_UNION_SHARE = tiled.CUDA_MAX_UNION_SHARE_ONE_PASS = 1.0  # the tiles at every union width, not only where the rule takes them
+        # the tiles at every union width, not only where the rules take them
+        tiled.CUDA_MAX_UNION_SHARE = tiled.CUDA_MAX_UNION_SHARE_ONE_PASS = 1.0
         heads, dim = (int(x) for x in a.index_shape.split(","))
         rows = [r for T in a.sizes for r in bench_tiles(T, heads, dim, far_shares=a.far_shares)]
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))
