@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, NCU_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, head_probs, kl_one_pass and ncu_hytopk are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, head_probs, kl_one_pass, ncu_hytopk and ncu_mla are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -78,6 +78,16 @@ for s in $stages; do
           -k "regex:hytopk_${kern}" --launch-skip 3 --launch-count 1 --set full --page details --print-units base \
           python3 scripts/ncu_hytopk.py ${NCU_ARGS:-}
       done ;;
+    ncu_mla)  # Nsight Compute on the MLA Gluon forward and dS + dK/dV kernels at 32K (issue 26): one launch each,
+      # the details page with its stall reasons. The forward inside the script's NVTX range; the backward runs
+      # on autograd's own thread, outside any range the script opens, so its launch is counted from the
+      # start: the 5th, the second step's second key pass (three passes of 32 MiB at 32K)
+      stage ncu_mla_forward "${NCU_S:-100}" ncu --clock-control none --nvtx --nvtx-include "mla/" \
+        -k regex:mla_forward_kernel --launch-count 1 --set full --page details --print-units base \
+        python3 scripts/ncu_mla.py ${NCU_ARGS:-}
+      stage ncu_mla_backward_dkv "${NCU_S:-100}" ncu --clock-control none -k regex:mla_backward_dkv_kernel \
+        --launch-skip 4 --launch-count 1 --set full --page details --print-units base \
+        python3 scripts/ncu_mla.py ${NCU_ARGS:-} ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
