@@ -1,5 +1,5 @@
 """Gluon names for Hopper that changed across Triton releases, in one place for the Gluon kernels
-(``sparse_attn/mla_forward_gluon.py``, ``topk/scan_gluon.py``): the device runs Triton 3.6, CI a newer Triton."""
+(``sparse_attn/mla_gather_gluon.py`` and the MLA kernels, ``topk/scan_gluon.py``): the device runs Triton 3.6, CI a newer Triton."""
 
 from __future__ import annotations
 

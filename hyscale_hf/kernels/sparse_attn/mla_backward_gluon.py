@@ -45,13 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..gluon_hopper import cp_async as _cp_async
 from ..gluon_hopper import sync_partition as _sync_partition
+from .mla_gather_gluon import BLOCK, D_ROPE, D_V, block_keys, copy_rows, gather_block
 
 HEADS = gl.constexpr(64)  # heads per program: the M side of S and dP, the K side of the contributions
-BLOCK = gl.constexpr(64)  # keys per block: the M side of the contributions
-D_V = gl.constexpr(512)  # key dims that are also the value (MLA absorbed: v = k[..., :512])
-D_ROPE = gl.constexpr(64)  # the remaining key dims (576 = 512 + 64)
 HALF_V = gl.constexpr(256)  # value columns per contribution warpgroup
 PSUM_N = gl.constexpr(8)  # N of the head sums' product (wgmma's smallest)
 
@@ -59,31 +56,6 @@ PSUM_N = gl.constexpr(8)  # N of the head sums' product (wgmma's smallest)
 _PDS_READY = gl.constexpr(0)
 _PDS_FREE = gl.constexpr(1)  # both contribution warpgroups arrive
 _N_BARRIERS = gl.constexpr(2)
-
-
-@gluon.jit
-def _copy_rows(dst, dst_rope, row_ptrs, cols, WITH_ROPE: gl.constexpr):
-    """``cp.async`` [64, 512] (and the [64, 64] rope tail) of 64 rows into shared memory."""
-    for c in gl.static_range(D_V // 64):
-        _cp_async(dst.slice(c * 64, 64, dim=1), row_ptrs + (c * 64 + cols)[None, :])
-    if WITH_ROPE:
-        _cp_async(dst_rope, row_ptrs + (D_V + cols)[None, :])
-
-
-@gluon.jit
-def _block_keys(idx_base, count, j, offs):
-    """Key ids of block j's slots (-1 past the row's extent), in offs's layout."""
-    slot = j * BLOCK + offs
-    return gl.load(idx_base + slot, mask=slot < count, other=-1)
-
-
-@gluon.jit
-def _gather_block(k_base, s_kt, kid, kv_smem, rope_smem, cols):
-    """The K rows ``kid`` (one block) into the K slot (one commit group). Index -1 loads row 0: its P
-    and dS are 0, and its contribution is masked."""
-    k_rows = k_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_kt
-    _copy_rows(kv_smem, rope_smem, k_rows, cols, True)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -105,17 +77,17 @@ def _softmax_partition(
     heads = gl.arange(0, HEADS, layout=ROW)
     if PASSES:  # delta comes from the chunk's buffer; a row without keys in this pass loads nothing
         if n_blocks > 0:
-            _copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
-            _copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
+            copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
+            copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
             async_copy.commit_group()
-            _gather_block(k_base, s_kt, _block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
+            gather_block(k_base, s_kt, block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
         delta = gl.load(delta_base + heads * s_deh)
     else:
-        _copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
-        _copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
+        copy_rows(q_smem, q_rope_smem, q_rows, cols, True)
+        copy_rows(do_smem, do_smem, do_base + rows[:, None].to(gl.int64) * s_doh, cols, False)
         async_copy.commit_group()
         if n_blocks > 0:
-            _gather_block(k_base, s_kt, _block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
+            gather_block(k_base, s_kt, block_keys(idx_base, count, 0, rows), kv_smem, rope_smem, cols)
 
         # delta = rowsum(dO * O) - dlse: d(loss)/d(logit) = p * (dp - delta). dO is read back from
         # its shared-memory copy, 64 columns at a time (a [64, 512] register tile would not fit).
@@ -142,7 +114,7 @@ def _softmax_partition(
     for j in range(n_blocks):
         # the next block's key ids, loaded before this block's products so that their latency is
         # hidden and the next gather can start as soon as the products have read the K slot
-        kid_next_rows = _block_keys(idx_base, count, j + 1, rows)
+        kid_next_rows = block_keys(idx_base, count, j + 1, rows)
         async_copy.wait_group(0)  # block j is in shared memory
         fence_async_shared()  # ... and visible to the tensor cores
         _sync_partition()
@@ -152,9 +124,9 @@ def _softmax_partition(
         s, dp = warpgroup_mma_wait(0, deps=[s, dp])
         _sync_partition()  # every warp's products have read the K slot
         if j + 1 < n_blocks:  # the next gather runs beside this block's softmax and contributions
-            _gather_block(k_base, s_kt, kid_next_rows, kv_smem, rope_smem, cols)
+            gather_block(k_base, s_kt, kid_next_rows, kv_smem, rope_smem, cols)
         slot = j * BLOCK + offs
-        kid = _block_keys(idx_base, count, j, offs)  # in L1: read for this block's gather (a [64] tile of
+        kid = block_keys(idx_base, count, j, offs)  # in L1: read for this block's gather (a [64] tile of
         # key ids in this layout held across the products would make the partition spill)
         p = gl.where((kid >= 0)[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = ((p * (dp - delta[:, None])) * sm_scale).to(ds_smem.dtype)
@@ -204,9 +176,9 @@ def _contribution_partition(
         )
         sums = gl.zeros([BLOCK, PSUM_N], gl.float32, SUMS)
         keys_sum = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, SUMS))
-    kid = _block_keys(idx_base, count, 0, keys_red)
+    kid = block_keys(idx_base, count, 0, keys_red)
     for j in range(n_blocks):
-        kid_next = _block_keys(idx_base, count, j + 1, keys_red)  # its latency hidden by the wait and products
+        kid_next = block_keys(idx_base, count, j + 1, keys_red)  # its latency hidden by the wait and products
         mbarrier.wait(bars.index(_PDS_READY), j & 1)
         ds_t = ds_smem.permute((1, 0))  # [keys, heads]
         c = warpgroup_mma(ds_t, q_smem.slice(COL0, HALF_V, dim=1), c, use_acc=False, is_async=True)

@@ -12,7 +12,8 @@ softmax, P through shared memory, P V. On an H200 that ran at 275-290 TFLOP/s. H
 (one query token, 64 heads) runs three warpgroups that each own one job:
 
 - the softmax warpgroup (the default partition) gathers the selected K rows of the next block
-  (``cp.async``, into a ring of two blocks) while the tensor cores run this block's Q K^T
+  (``cp.async``, into a ring of two blocks; their key ids loaded a block ahead: ``mla_gather_gluon``)
+  while the tensor cores run this block's Q K^T
   (m64n64, Q and K from shared memory), then runs the online softmax and hands P (bf16/fp16) and
   the rows' rescale factors to the other two through shared memory;
 - two P V warpgroups each own half of the output columns ([64, 256] fp32 accumulators) and
@@ -38,13 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..gluon_hopper import cp_async as _cp_async
 from ..gluon_hopper import sync_partition as _sync_partition
+from .mla_gather_gluon import BLOCK, D_ROPE, D_V, block_keys, copy_rows, gather_block
 
 HEADS = gl.constexpr(64)  # heads per program: the matmul M side
-BLOCK = gl.constexpr(64)  # keys per block
-D_V = gl.constexpr(512)  # key dims that are also the value (MLA absorbed: v = k[..., :512])
-D_ROPE = gl.constexpr(64)  # the remaining key dims (576 = 512 + 64)
 HALF_V = gl.constexpr(256)  # output columns per P V warpgroup
 
 # mbarrier slots
@@ -53,18 +51,6 @@ _P_READY = gl.constexpr(2)
 _P_FREE = gl.constexpr(3)  # both P V warpgroups arrive
 _FINAL = gl.constexpr(4)
 _N_BARRIERS = gl.constexpr(5)
-
-
-@gluon.jit
-def _gather_block(k_base, s_kt, idx_base, count, j, kv_slot, rope_slot, rows, cols):
-    """``cp.async`` the K rows of key block j into a ring slot (one commit group). Index -1 loads
-    row 0: its score is masked to -inf, so P is 0 there."""
-    kid = gl.load(idx_base + j * BLOCK + rows, mask=(j * BLOCK + rows) < count, other=-1)
-    k_rows = k_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_kt
-    for c in gl.static_range(D_V // 64):
-        _cp_async(kv_slot.slice(c * 64, 64, dim=1), k_rows + (c * 64 + cols)[None, :])
-    _cp_async(rope_slot, k_rows + (D_V + cols)[None, :])
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -80,13 +66,10 @@ def _softmax_partition(
     COPY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte pieces of [64, 64]
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY))
-    q_rows = q_base + rows[:, None].to(gl.int64) * s_qh
-    for c in gl.static_range(D_V // 64):
-        _cp_async(q_smem.slice(c * 64, 64, dim=1), q_rows + (c * 64 + cols)[None, :])
-    _cp_async(q_rope_smem, q_rows + (D_V + cols)[None, :])
+    copy_rows(q_smem, q_rope_smem, q_base + rows[:, None].to(gl.int64) * s_qh, cols, True)
     async_copy.commit_group()
     if n_blocks > 0:
-        _gather_block(k_base, s_kt, idx_base, count, 0, kv_smem.index(0), rope_smem.index(0), rows, cols)
+        gather_block(k_base, s_kt, block_keys(idx_base, count, 0, rows), kv_smem.index(0), rope_smem.index(0), cols)
 
     m_i = gl.full([HEADS], float("-inf"), gl.float32, ROW)  # running max, log2 units
     l_i = gl.zeros([HEADS], gl.float32, ROW)
@@ -94,6 +77,9 @@ def _softmax_partition(
     offs = gl.arange(0, BLOCK, layout=KEY)
     for j in range(n_blocks):
         s = j % 2
+        # the next block's key ids, loaded before this block's products so that the next gather can
+        # issue its copies as soon as the ring slot is free (``mla_gather_gluon``)
+        kid_next_rows = block_keys(idx_base, count, j + 1, rows)
         async_copy.wait_group(0)  # block j (and, the first time, q) is in shared memory
         fence_async_shared()  # ... and visible to the tensor cores
         _sync_partition()
@@ -103,11 +89,9 @@ def _softmax_partition(
         if j > 0:  # P V of block j - 1 is done: P, the rescale factors and its ring slot are free
             mbarrier.wait(bars.index(_P_FREE), (j - 1) & 1)
         if j + 1 < n_blocks:  # the next block's gather runs beside this block's products
-            _gather_block(
-                k_base, s_kt, idx_base, count, j + 1, kv_smem.index(1 - s), rope_smem.index(1 - s), rows, cols
-            )
+            gather_block(k_base, s_kt, kid_next_rows, kv_smem.index(1 - s), rope_smem.index(1 - s), cols)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        kid = gl.load(idx_base + j * BLOCK + offs, mask=(j * BLOCK + offs) < count, other=-1)
+        kid = block_keys(idx_base, count, j, offs)  # in L1: the gather read these ids a block ago
         sc = gl.where(kid[None, :] >= 0, acc * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep p = 0
