@@ -34,7 +34,7 @@ import triton
 
 from hyscale_hf.benchmarking.timing import cuda_median_ms
 from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
-from hyscale_hf.kernels.topk.host import padded_heads, pick_config
+from hyscale_hf.kernels.topk.host import SCRATCH_BYTES, padded_heads, pick_config
 
 H, D, TOPK = 32, 128, 2048
 SWEEP_LSE = False  # --sweep-lse: the sweep asks for what a training step does (indices + lse, no scores)
@@ -200,14 +200,16 @@ def bench_million(T, tflops):
 
 
 def sweep(T, tflops, reps, configs):
-    """Time (config, cap) pairs: full op, scan kernel only, scoring only. Returns [(full_ms, config, cap)]."""
+    """Time (config, cap[, chunk_rows]) entries: full op, scan kernel only, scoring only. Returns [(full_ms,
+    config, cap, chunk_rows)]."""
     q, k, w = make_inputs(T)
     ref = hytopk(q, k, w, TOPK, backend="triton")
     print(f"sweep T={T}: floor {H * D * T**2 / (tflops * 1e12) * 1e3:.2f} ms", flush=True)
     results = []
-    for c, cap in configs:
-        run = lambda c=c, cap=cap, **kw: hytopk_triton(  # noqa: E731
-            q, k, w, TOPK, config=c, cap=cap, return_scores=not SWEEP_LSE, return_lse=SWEEP_LSE, **kw)
+    for c, cap, *rows in configs:
+        rows = rows[0] if rows else None
+        run = lambda c=c, cap=cap, rows=rows, **kw: hytopk_triton(  # noqa: E731
+            q, k, w, TOPK, config=c, cap=cap, chunk_rows=rows, return_scores=not SWEEP_LSE, return_lse=SWEEP_LSE, **kw)
         try:
             t0 = time.perf_counter()
             same = torch.equal(run()[0], ref)
@@ -220,14 +222,14 @@ def sweep(T, tflops, reps, configs):
             so = cuda_median_ms(lambda run=run: run(profile="scoring"), reps)
             per_kernel = "  ".join(f"{name[7:-7]} {ms:.2f}" for name, ms in kernel_ms(run, 2).items())
             print(
-                f"{c} cap={cap}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  same={same}  "
+                f"{c} cap={cap} chunk_rows={rows}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
                 f"first call {comp:.1f}s",
                 flush=True,
             )
-            results.append((full, c, cap))
+            results.append((full, c, cap, rows))
         except Exception as e:  # a config that does not compile or fit: report and go on
-            print(f"{c} cap={cap}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"{c} cap={cap} chunk_rows={rows}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     return sorted(results, key=lambda r: r[0])
 
 
@@ -235,6 +237,22 @@ def refine_configs():
     """The default tiles with other refine slacks (``HyTopKConfig.refine_slack``)."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
     return [(dataclasses.replace(base, refine_slack=slack), None) for slack in (0.5, 0.25, 0.1, 0.0)]
+
+
+def chunk_configs(T):
+    """The default tiles with larger query chunks: rows per launch are what ``SCRATCH_BYTES`` holds per
+    lane by default (about 4K rows for K = 2048, whose buffers take 128 KB a row); 2 and 4 times that
+    (fewer, fuller scan launches, 2 and 4 times the scratch memory), and one lane with twice the rows
+    (the same scratch as the default)."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    slots = base.buffer_k * TOPK // base.BN  # SC of host.hytopk_triton for this buffer
+    rows = SCRATCH_BYTES // base.lanes // ((8 * slots + 4) * base.BN)
+
+    def equal(limit):  # equal chunks of at most ``limit`` rows, as the host cuts its default ones
+        return -(-T // -(-T // limit) // base.BQ) * base.BQ
+
+    return [(base, None, None), (base, None, equal(2 * rows)), (base, None, equal(4 * rows)),
+            (dataclasses.replace(base, lanes=1), None, equal(2 * rows))]
 
 
 def sweep_configs():
@@ -306,6 +324,8 @@ def main():
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
     p.add_argument("--sweep-refine", action="store_true",
                    help="the sweep times the default tiles with other refine slacks instead of other tiles")
+    p.add_argument("--sweep-chunks", action="store_true",
+                   help="the sweep times the default tiles with larger query chunks (more scratch memory)")
     p.add_argument("--sweep-lse", action="store_true",
                    help="the sweep's calls return indices and lse, as a training step's do (default: indices, scores)")
     a = p.parse_args()
@@ -315,11 +335,14 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
-        configs = refine_configs() if a.sweep_refine else sweep_configs()
+        if a.sweep_chunks:
+            configs = chunk_configs(a.sweep[0])
+        else:
+            configs = refine_configs() if a.sweep_refine else sweep_configs()
         ranked = sweep(a.sweep[0], tflops, a.reps, configs)
         for T in a.sweep[1:]:
             torch.cuda.empty_cache()
-            sweep(T, tflops, 2, configs if a.sweep_refine else [(c, cap) for _, c, cap in ranked[:3]])
+            sweep(T, tflops, 2, configs if a.sweep_refine else [(c, cap, r) for _, c, cap, r in ranked[:3]])
         if not a.lengths_after_sweep:
             return
         a.lengths = a.lengths_after_sweep
