@@ -81,12 +81,13 @@ for s in $stages; do
     ncu_mla)  # Nsight Compute on the MLA Gluon forward and dS + dK/dV kernels at 32K (issue 26): one launch each,
       # the details page with its stall reasons. The forward inside the script's NVTX range; the backward runs
       # on autograd's own thread, outside any range the script opens, so its launch is counted from the
-      # start: the 5th, the second step's second key pass (three passes of 32 MiB at 32K)
+      # start: at 32K a step launches it 24 times (8 chunks of 4096 queries x 3 key passes of 32 MiB), and
+      # the 46th is the second step's last chunk's first pass (an early chunk's later passes are nearly empty)
       stage ncu_mla_forward "${NCU_S:-100}" ncu --clock-control none --nvtx --nvtx-include "mla/" \
         -k regex:mla_forward_kernel --launch-count 1 --set full --page details --print-units base \
         python3 scripts/ncu_mla.py ${NCU_ARGS:-}
       stage ncu_mla_backward_dkv "${NCU_S:-100}" ncu --clock-control none -k regex:mla_backward_dkv_kernel \
-        --launch-skip 4 --launch-count 1 --set full --page details --print-units base \
+        --launch-skip 45 --launch-count 1 --set full --page details --print-units base \
         python3 scripts/ncu_mla.py ${NCU_ARGS:-} ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
