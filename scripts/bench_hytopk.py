@@ -272,7 +272,13 @@ def sweep_configs():
         return [
             (dataclasses.replace(base, BQ=bq, num_warps=nw, num_stages=st, buffer_k=bk), None)
             for bq, nw, st, bk in variants
-        ] + [(dataclasses.replace(base, **kw), None) for kw in (dict(finalize_warps=8), dict(lanes=3), dict(lanes=4))]
+        ] + [
+            (dataclasses.replace(base, **kw), None)
+            # 128-key tiles: the scan loop's fixed cost per tile (the TMA issue, barriers, moves to uniform
+            # registers: about 40 of its ~240 sm_90 instructions at 64 keys) over twice the scores; sm_90
+            # ptxas: 142 / 163 registers with 4 warps (2 x 64 / 4 x 64), 100 / 102 with 8, no spills
+            for kw in (dict(finalize_warps=8), dict(lanes=3), dict(lanes=4), dict(BN=128), dict(BN=128, num_warps=8))
+        ]
     return [
         (cfg(4, 64, 4, 2), None), (cfg(4, 64, 4, 2, finalize_warps=8), None), (cfg(4, 64, 4, 2, refine_warps=2), None),
         (cfg(4, 64, 4, 2, refine_warps=8), None), (cfg(4, 64, 4, 2, maxnreg=168), None), (cfg(4, 64, 4, 3), None),
