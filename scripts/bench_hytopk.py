@@ -34,7 +34,7 @@ import triton
 
 from hyscale_hf.benchmarking.timing import cuda_median_ms
 from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
-from hyscale_hf.kernels.topk.host import SCRATCH_BYTES, padded_heads, pick_config
+from hyscale_hf.kernels.topk.host import equal_chunk_rows, lane_rows, padded_heads, pick_config, slot_capacity
 
 H, D, TOPK = 32, 128, 2048
 SWEEP_LSE = False  # --sweep-lse: the sweep asks for what a training step does (indices + lse, no scores)
@@ -245,11 +245,10 @@ def chunk_configs(T):
     (fewer, fuller scan launches, 2 and 4 times the scratch memory), and one lane with twice the rows
     (the same scratch as the default)."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-    slots = base.buffer_k * TOPK // base.BN  # SC of host.hytopk_triton for this buffer
-    rows = SCRATCH_BYTES // base.lanes // ((8 * slots + 4) * base.BN)
+    rows = lane_rows(slot_capacity(TOPK, base.BN, base.buffer_k), base.BN, 1, base.lanes, base.BQ)
 
-    def equal(limit):  # equal chunks of at most ``limit`` rows, as the host cuts its default ones
-        return -(-T // -(-T // limit) // base.BQ) * base.BQ
+    def equal(limit):  # equal chunks of at most about ``limit`` rows, as the host cuts its default ones
+        return equal_chunk_rows(T, limit, base.BQ)
 
     return [(base, None, None), (base, None, equal(2 * rows)), (base, None, equal(4 * rows)),
             (dataclasses.replace(base, lanes=1), None, equal(2 * rows))]
@@ -275,8 +274,7 @@ def sweep_configs():
         ] + [
             (dataclasses.replace(base, **kw), None)
             # 128-key tiles: the scan loop's fixed cost per tile (the TMA issue, barriers, moves to uniform
-            # registers: about 40 of its ~240 sm_90 instructions at 64 keys) over twice the scores; sm_90
-            # ptxas: 142 / 163 registers with 4 warps (2 x 64 / 4 x 64), 100 / 102 with 8, no spills
+            # registers) over twice the scores
             for kw in (dict(finalize_warps=8), dict(lanes=3), dict(lanes=4), dict(BN=128), dict(BN=128, num_warps=8))
         ]
     return [

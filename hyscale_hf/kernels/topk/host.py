@@ -208,6 +208,32 @@ def _resident_programs(kernel, device: torch.device) -> int:
     return props.multi_processor_count * max(1, min(by_regs, by_smem, by_warps, 32))
 
 
+def slot_capacity(K: int, BN: int, buffer_k: int, cap: int | None = None) -> int:
+    """SC, the entries of each of a row's BN candidate slots, for ``cap`` keys a row; by default
+    ``buffer_k`` times K rounded up to a power of two, and never under ``cdiv(K, BN) + 2``.
+
+    buffer_k = 8 (8 * K keys) rather than 4 for H = 32: longer segments (fewer scan and refine launches)
+    and fewer refines (H200, T = 128K: 192K against 340K per call) outweigh the final selection's larger
+    buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072` (16 * K
+    was slower, 170.9 ms: benchmarks/notes.md)."""
+    if cap is None:
+        k_pow2 = triton.next_power_of_2(K)
+        cap = max(buffer_k * k_pow2, k_pow2 + 4 * BN)
+    return max(triton.cdiv(cap, BN), triton.cdiv(K, BN) + 2)
+
+
+def lane_rows(SC: int, BN: int, B: int, lanes: int, PR: int) -> int:
+    """Most query rows per chunk that one lane's share of ``SCRATCH_BYTES`` holds (each row: BN slots
+    of SC int64 keys and BN int32 fill counts), a multiple of PR (rows per scan program), at least PR."""
+    return max(PR, SCRATCH_BYTES // lanes // ((8 * SC + 4) * BN * B) // PR * PR)
+
+
+def equal_chunk_rows(S: int, limit: int, PR: int) -> int:
+    """Rows per chunk when S query rows go in equal chunks of at most about ``limit`` rows (rounded up
+    to PR): a short last chunk would leave SMs idle on its long rows."""
+    return min(S, triton.cdiv(triton.cdiv(S, triton.cdiv(S, limit)), PR) * PR)
+
+
 def chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[int]:
     """Key tiles the longest block walks, per chunk of R query rows (one scan launch per SEG tiles).
 
@@ -330,15 +356,8 @@ def hytopk_triton(
     # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
     # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than
     # SC - SEG are refined first and keep at most K + slack keys, spread evenly: <= SC - SEG per slot.
-    if cap is None:
-        # buffer_k = 8 (8 * K keys) rather than 4 for H = 32: longer segments (fewer scan and refine launches) and fewer
-        # refines (H200, T = 128K: 192K against 340K per call) outweigh the final selection's larger
-        # buffers and the halved chunks: 159.2 against 162.4 ms in `bench_hytopk.py --sweep 131072`
-        # (16 * K was slower, 170.9 ms: benchmarks/notes.md).
-        k_pow2 = triton.next_power_of_2(K)
-        cap = max(cfg.buffer_k * k_pow2, k_pow2 + 4 * BN)
     k_slots = triton.cdiv(K, BN)
-    SC = max(triton.cdiv(cap, BN), k_slots + 2)
+    SC = slot_capacity(K, BN, cfg.buffer_k, cap)
     seg = max(1, (SC - k_slots) // 3)
     slack = max(0, int(((SC - seg) * BN - K) * cfg.refine_slack))
     OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
@@ -348,8 +367,7 @@ def hytopk_triton(
     # one chunk's refines and final selection (memory-bound) run beside another's scan (matmul-bound).
     lanes = cfg.lanes if dev.type == "cuda" else 1
     if chunk_rows is None:  # equal chunks: a short last one would leave SMs idle on its long rows
-        R_max = max(PR, SCRATCH_BYTES // lanes // ((8 * SC + 4) * BN * B) // PR * PR)
-        R = min(S, triton.cdiv(triton.cdiv(S, triton.cdiv(S, R_max)), PR) * PR)
+        R = equal_chunk_rows(S, lane_rows(SC, BN, B, lanes, PR), PR)
     else:
         R = min(S, chunk_rows)
     chunk_starts = range(0, S, R)
