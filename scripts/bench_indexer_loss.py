@@ -212,7 +212,7 @@ def main():
     a = ap.parse_args()
     if a.tiles:
         # the tiles at every union width, not only where the rules take them
-        tiled.CUDA_MAX_UNION_SHARE = tiled.CUDA_MAX_UNION_SHARE_ONE_PASS = 1.0
+        tiled.TILES_AT_ANY_UNION = True
         heads, dim = (int(x) for x in a.index_shape.split(","))
         rows = [r for T in a.sizes for r in bench_tiles(T, heads, dim, far_shares=a.far_shares)]
         a.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "K": K, "rows": rows}, indent=1))

@@ -152,9 +152,8 @@ def time_refine_slacks(inputs: tuple, device, reps: int) -> dict:
 def time_kl(idx: torch.Tensor, inputs: tuple, tile_q: int, device, reps: int) -> dict:
     """The sparse stage's indexer KL from a given target (forward + backward) on a selection, with the
     indexer tensors HyTopK got for it: per query (``per_query_ms``) and over the attention's query tiles
-    of ``tile_q`` queries (``tiled_ms``; on a GPU whatever the union: ``tiled.CUDA_MAX_UNION_SHARE`` and
-    ``CUDA_MAX_UNION_SHARE_ONE_PASS`` set to 1 for it)."""
-    tiled.CUDA_MAX_UNION_SHARE = tiled.CUDA_MAX_UNION_SHARE_ONE_PASS = 1.0
+    of ``tile_q`` queries (``tiled_ms``; on a GPU whatever the union: ``tiled.TILES_AT_ANY_UNION``)."""
+    tiled.TILES_AT_ANY_UNION = True
     (q, k, w, *_), _ = inputs
     target = torch.where(idx >= 0, torch.rand(idx.shape, device=idx.device, generator=torch.Generator(
         device=idx.device).manual_seed(0)) + 0.05, 0.0)

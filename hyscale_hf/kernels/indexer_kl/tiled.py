@@ -34,8 +34,7 @@ from .triton_kernels import _kl_value, _plogp
 # 0.27-0.45x at 17-33%: bench_indexer_loss.py --tiles); on an H100, a trained SmolLM2 indexer's layers
 # at 4.4 / 4.7 / 5.7% took 7.0 / 7.5 / 8.9 ms tiled against 10.0 / 10.0 / 9.9 ms per query at 32K
 # (bench_trained_selections.py, 2026-12-06). Those layers hold 4-11%, so the choice is per call.
-# Benchmarks set 1.0 to time them everywhere. Under the interpreter (tests) they run wherever a program
-# holds the tile.
+# Under the interpreter (tests) they run wherever a program holds the tile.
 CUDA_MAX_UNION_SHARE = 0.07
 # The same for the one pass (the selection's lse given: ``index_lse``), which saves more over tiles
 # than per query (1.37-1.42x against 1.11-1.15x), so the tiles win up to wider unions. H100, 2 x 64
@@ -43,6 +42,9 @@ CUDA_MAX_UNION_SHARE = 0.07
 # pairs, 8.78 against 8.76 at 9.6%, 10.04 against 8.85 at 11% (forward + backward: 9.49 against 9.80
 # at 7.3%, 12.13 against 9.77 at 9.6%): ``bench_indexer_loss.py --tiles --far-shares ...``, 2026-12-06.
 CUDA_MAX_UNION_SHARE_ONE_PASS = 0.09
+# True: the tiles wherever a program holds them, whatever the union (both rules above off): benchmarks
+# and GPU tests set it to time or check the tiles on selections the rules would send per query.
+TILES_AT_ANY_UNION = False
 
 # Largest rows x head dims a program holds (its q, dq and per-block products live in registers):
 # 128 rows of 128 dims or 256 rows of 64.
@@ -67,10 +69,10 @@ def takes_tiles(tiles, H: int, D: int, K: int, device: torch.device, one_pass: b
     """Whether the tiled kernels run over ``tiles`` (a ``sparse_attn`` ``KeyLists``) for K slots a query:
     a program holds the tile, and on CUDA its union is small enough (``CUDA_MAX_UNION_SHARE``, or
     ``CUDA_MAX_UNION_SHARE_ONE_PASS`` for the one pass; lists without their mean union take the
-    per-query kernels there)."""
+    per-query kernels there) unless ``TILES_AT_ANY_UNION``."""
     if tile_shape(tiles.tile_q, H, D) is None:
         return False
-    if device.type != "cuda":
+    if device.type != "cuda" or TILES_AT_ANY_UNION:
         return True
     share = CUDA_MAX_UNION_SHARE_ONE_PASS if one_pass else CUDA_MAX_UNION_SHARE
     return 0 <= tiles.mean_union <= share * tiles.tile_q * K

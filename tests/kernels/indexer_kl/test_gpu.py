@@ -141,8 +141,7 @@ def test_tiles_match_the_per_query_kernels_at_smollm2_shape(T, monkeypatch):
     from hyscale_hf.kernels.sparse_attn import SparseAttentionConfig
     from hyscale_hf.kernels.sparse_attn.host import union_tiles
 
-    monkeypatch.setattr(tiled, "CUDA_MAX_UNION_SHARE", 1.0)  # the tiles whatever this selection's union
-    monkeypatch.setattr(tiled, "CUDA_MAX_UNION_SHARE_ONE_PASS", 1.0)
+    monkeypatch.setattr(tiled, "TILES_AT_ANY_UNION", True)  # the tiles whatever this selection's union
 
     g = torch.Generator(device=DEVICE).manual_seed(T)
     iq = torch.randn(1, T, 2, 64, device=DEVICE, generator=g).to(torch.bfloat16)
@@ -171,8 +170,7 @@ def test_one_pass_matches_two_passes_on_hytopks_selection(tiled_path, monkeypatc
     from hyscale_hf.kernels.indexer_kl import indexer_kl_loss_given_target, tiled
     from hyscale_hf.kernels.sparse_attn.host import union_tiles
 
-    monkeypatch.setattr(tiled, "CUDA_MAX_UNION_SHARE", 1.0)
-    monkeypatch.setattr(tiled, "CUDA_MAX_UNION_SHARE_ONE_PASS", 1.0)
+    monkeypatch.setattr(tiled, "TILES_AT_ANY_UNION", True)
     T = 16384
     g = torch.Generator(device=DEVICE).manual_seed(5)
     iq = torch.randn(1, T, 4, 64, device=DEVICE, generator=g).to(torch.bfloat16)

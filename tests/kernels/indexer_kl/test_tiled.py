@@ -116,6 +116,20 @@ def test_on_cuda_the_tiles_take_only_narrow_unions():
     assert not tiled_module.takes_tiles(wider._replace(mean_union=one * 8 * K + 1), 2, 16, K, cuda, one_pass=True)
 
 
+def test_the_switch_takes_the_tiles_at_any_union(monkeypatch):
+    """``TILES_AT_ANY_UNION`` (benchmarks, GPU tests) turns both union rules off, not the program's size."""
+    _, idx, _, tiles = _case(tile_q=8, H=2)
+    cuda, K = torch.device("cuda"), idx.shape[2]
+    wide = tiles._replace(mean_union=8.0 * K)  # every pair its own key
+    unknown = tiles._replace(mean_union=-1.0)
+    assert not tiled_module.takes_tiles(wide, 2, 16, K, cuda)
+    monkeypatch.setattr(tiled_module, "TILES_AT_ANY_UNION", True)
+    for lists in (wide, unknown):
+        assert tiled_module.takes_tiles(lists, 2, 16, K, cuda)
+        assert tiled_module.takes_tiles(lists, 2, 16, K, cuda, one_pass=True)
+    assert not tiled_module.takes_tiles(wide, 32, 128, K, cuda)  # 256 rows x 128 dims: still no program holds it
+
+
 def test_bad_tiles_are_named():
     index, idx, target, tiles = _case()
     with pytest.raises(TypeError, match="tiles must be a sparse_attn KeyLists"):
