@@ -152,8 +152,8 @@ def time_refine_slacks(inputs: tuple, device, reps: int) -> dict:
 def time_kl(idx: torch.Tensor, inputs: tuple, tile_q: int, device, reps: int) -> dict:
     """The sparse stage's indexer KL from a given target (forward + backward) on a selection, with the
     indexer tensors HyTopK got for it: per query (``per_query_ms``) and over the attention's query tiles
-    of ``tile_q`` queries (``tiled_ms``; on a GPU whatever the union: ``tiled.TILES_AT_ANY_UNION``)."""
-    tiled.TILES_AT_ANY_UNION = True
+    of ``tile_q`` queries (``tiled_ms``; on a GPU whatever the union: ``tiled.TILES_AT_ANY_UNION`` while
+    it runs)."""
     (q, k, w, *_), _ = inputs
     target = torch.where(idx >= 0, torch.rand(idx.shape, device=idx.device, generator=torch.Generator(
         device=idx.device).manual_seed(0)) + 0.05, 0.0)
@@ -167,7 +167,11 @@ def time_kl(idx: torch.Tensor, inputs: tuple, tile_q: int, device, reps: int) ->
                 t.grad = None
             indexer_kl_loss_given_target(*leaves, idx, target, check_range=False, tiles=given).backward()
 
-        out[name] = median_ms(run, device, reps)
+        before, tiled.TILES_AT_ANY_UNION = tiled.TILES_AT_ANY_UNION, True
+        try:
+            out[name] = median_ms(run, device, reps)
+        finally:
+            tiled.TILES_AT_ANY_UNION = before
     return out
 
 
