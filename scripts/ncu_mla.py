@@ -7,7 +7,7 @@ range compiles and warms the kernels, so the range holds the steady state only.
 
     ncu --clock-control none --nvtx --nvtx-include "mla/" -k regex:mla_forward --set full \\
         python scripts/ncu_mla.py --seqlen 32768
-    (gpu_check.sh's ncu_mla stage runs this once per kernel: the forward, the dS + dK/dV, the dQ)
+    (gpu_check.sh's ncu_mla stage runs this once per kernel: the forward, then the dS + dK/dV)
 """
 
 from __future__ import annotations
