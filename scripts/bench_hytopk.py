@@ -12,6 +12,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --out results/ [--lengths 8192 32768 131072] [--million]
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072   # a small indexer's tiles
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072 --sweep-refine   # refine slacks
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-presample   # threshold pre-pass
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -139,6 +140,7 @@ def bench_one(T, reps, tflops):
     r["ours_ms"] = cuda_median_ms(ours, n)
     st = hytopk_stats()
     r["rows_refined_per_call"] = st["rows_refined"] / st["calls"]
+    r["rows_rescued_per_call"] = st["rows_rescued"] / st["calls"]
     r["refines_per_call"] = st["refines"] / st["calls"]
     r["ours_peak_extra_gib"] = peak_extra_bytes(ours) / GiB
     r["outputs_gib"] = T * TOPK * 4 / GiB
@@ -224,6 +226,7 @@ def sweep(T, tflops, reps, configs):
             print(
                 f"{c} cap={cap} chunk_rows={rows}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
+                f"rescued rows/call {st['rows_rescued'] / st['calls']:.1f}  "
                 f"first call {comp:.1f}s",
                 flush=True,
             )
@@ -237,6 +240,16 @@ def refine_configs():
     """The default tiles with other refine slacks (``HyTopKConfig.refine_slack``)."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
     return [(dataclasses.replace(base, refine_slack=slack), None) for slack in (0.5, 0.25, 0.1, 0.0)]
+
+
+def presample_configs():
+    """The default tiles without the threshold pre-pass (``HyTopKConfig.presample = 0``, the before) and
+    with other sample strides and margins, and the default pre-pass with a 4 x K candidate buffer (it
+    appends about K + z * sqrt(K * stride) keys a row, so a smaller buffer fits more rows per chunk)."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    variants = [dict(presample=0), dict(), dict(presample=8), dict(presample=32), dict(presample_z=4.0),
+                dict(buffer_k=4)]
+    return [(dataclasses.replace(base, **v), None) for v in variants]
 
 
 def chunk_configs(T):
@@ -328,6 +341,8 @@ def main():
     p.add_argument("--lengths-after-sweep", type=int, nargs="*", default=[], help="then benchmark these T")
     p.add_argument("--sweep-refine", action="store_true",
                    help="the sweep times the default tiles with other refine slacks instead of other tiles")
+    p.add_argument("--sweep-presample", action="store_true",
+                   help="the sweep times the default tiles without the threshold pre-pass and with other strides")
     p.add_argument("--sweep-chunks", action="store_true",
                    help="the sweep times the default tiles with larger query chunks (more scratch memory)")
     p.add_argument("--sweep-lse", action="store_true",
@@ -339,14 +354,17 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
+        every_t = a.sweep_refine or a.sweep_presample  # these time every entry at every T
         if a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
+        elif a.sweep_presample:
+            configs = presample_configs()
         else:
             configs = refine_configs() if a.sweep_refine else sweep_configs()
         ranked = sweep(a.sweep[0], tflops, a.reps, configs)
         for T in a.sweep[1:]:
             torch.cuda.empty_cache()
-            sweep(T, tflops, 2, configs if a.sweep_refine else [(c, cap, r) for _, c, cap, r in ranked[:3]])
+            sweep(T, tflops, 2, configs if every_t else [(c, cap, r) for _, c, cap, r in ranked[:3]])
         if not a.lengths_after_sweep:
             return
         a.lengths = a.lengths_after_sweep

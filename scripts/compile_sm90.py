@@ -92,6 +92,17 @@ def hytopk_scan_small_cases():
             yield label, topk_kernels.hytopk_scan_kernel, pointers, consts, {"num_warps": warps, "num_stages": stages}
 
 
+def hytopk_rescue_cases():
+    """HyTopK's rescue of rows whose pre-pass estimate missed (``hytopk_rescue_kernel``), at a small
+    indexer's shape and at the DSA indexer's (32 x 128)."""
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32",
+                    th_ptr="*i32", stat_ptr="*i64")
+    for h, d in [(4, 64), (32, 128)]:
+        consts = dict(H=h, HR=max(16, h), D=d, DP=d, NS=64, SC=256, BK=64, LOG_NB=7, RELU=True, IEEE=False,
+                      UPCAST=False, ASM_STORE=True)
+        yield f"hytopk_rescue_kernel H={h} D={d}", topk_kernels.hytopk_rescue_kernel, pointers, consts, {"num_warps": 4}
+
+
 def tile_head_probs_cases():
     """The query tiles' head sums (``tile_head_probs``, q through TMA) at SmolLM2's shape (9 / 3 heads,
     42-query tiles, D 64) and a 16 x 64 model past ``host.TILE_PROBS_MAX_WIDTH``, at the key blocks and
@@ -107,7 +118,7 @@ def tile_head_probs_cases():
 
 
 PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_cases,
-           "tile_head_probs": tile_head_probs_cases}
+           "hytopk_rescue": hytopk_rescue_cases, "tile_head_probs": tile_head_probs_cases}
 
 
 def main() -> int:

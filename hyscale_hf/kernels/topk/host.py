@@ -9,6 +9,7 @@ rows per launch, and time the scan alone or the scoring alone (``profile``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ MAX_TRITON_TOPK = 4096
 FINALIZE_SCRATCH_BYTES = 128 << 20
 
 _STATS: dict = {"calls": 0, "rows": 0}
-_STATS_DEVICE: dict = {}  # device -> int64 [2]: rows refined, refinements (added without a sync)
+_STATS_DEVICE: dict = {}  # device -> int64 [3]: rows refined, refinements, rows rescued (added without a sync)
 
 
 def hytopk_stats() -> dict:
@@ -59,11 +60,14 @@ def hytopk_stats() -> dict:
 
     ``rows``: query rows processed; ``rows_refined``: rows whose candidate buffer filled up and was
     refined in place (a new exact threshold from a radix select over the buffer, then compaction:
-    repaired, never truncated); ``refines``: total refinements.
+    repaired, never truncated); ``refines``: total refinements; ``rows_rescued``: rows whose threshold
+    pre-pass estimate lay above their K-th key, completed by rescoring their keys (exact, slower).
     """
-    refined = sum(int(t[0]) for t in _STATS_DEVICE.values())
-    refines = sum(int(t[1]) for t in _STATS_DEVICE.values())
-    return {"calls": _STATS["calls"], "rows": _STATS["rows"], "rows_refined": refined, "refines": refines}
+    refined, refines, rescued = (sum(int(t[i]) for t in _STATS_DEVICE.values()) for i in range(3))
+    return {
+        "calls": _STATS["calls"], "rows": _STATS["rows"], "rows_refined": refined, "refines": refines,
+        "rows_rescued": rescued,
+    }  # fmt: skip
 
 
 def reset_hytopk_stats() -> None:
@@ -106,6 +110,14 @@ class HyTopKConfig:
     # Candidate buffer keys per row, in multiples of K (rounded up to a power of two). It also bounds
     # the query rows per chunk (SCRATCH_BYTES over the buffer), and so the scan's programs per launch.
     buffer_k: int = 8
+    # Threshold pre-pass (``presample_plan``): each row's threshold starts at an estimate of its K-th
+    # score from every ``presample``-th key instead of at the smallest key, so the scan appends about
+    # K + z * sqrt(K * presample) keys a row instead of filling and refining its buffer; 0 turns it off.
+    # ``presample_z`` is the estimate's margin in standard deviations of the sample count: a row whose
+    # estimate still lies above its K-th key (about 1e-6 of the rows at z = 5 on iid scores; many with a
+    # negative z, which tests use) is completed by ``hytopk_rescue_kernel``, exact but slower.
+    presample: int = 16
+    presample_z: float = 5.0
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -119,6 +131,10 @@ class HyTopKConfig:
             raise ValueError(f"HyTopKConfig.refine_slack must be in [0, 1], got {self.refine_slack}")
         if self.buffer_k < 2:
             raise ValueError(f"HyTopKConfig.buffer_k must be >= 2, got {self.buffer_k}")
+        if self.presample == 1 or self.presample < 0:
+            raise ValueError(f"HyTopKConfig.presample must be 0 (off) or >= 2, got {self.presample}")
+        if not -10.0 <= self.presample_z <= 10.0:
+            raise ValueError(f"HyTopKConfig.presample_z must be in [-10, 10], got {self.presample_z}")
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -222,6 +238,28 @@ def slot_capacity(K: int, BN: int, buffer_k: int, cap: int | None = None) -> int
     return max(triton.cdiv(cap, BN), triton.cdiv(K, BN) + 2)
 
 
+def presample_plan(T: int, K: int, row_keys: int, stride: int, z: float) -> tuple[int, int]:
+    """(KS, r) of the threshold pre-pass, or (0, 0) where it does not apply.
+
+    The pre-pass scores every KS-th key of each row's window (one scan launch into the row's own
+    buffer, which holds them all: ``T / KS <= row_keys``) and takes the r-th largest of those samples
+    as the row's starting threshold. Of a row's samples about K / KS lie in its top K, whatever the
+    row's length, so r = K / KS + z * sqrt(K / KS) lies above that count by z standard deviations (of
+    a binomial count, at most sqrt(K / KS)) and the estimate is below the K-th key unless the samples
+    are that unlucky; the scan then appends about r * KS keys a row. Rows with at most r samples keep
+    every key, as without the pre-pass. It applies when K / KS >= 8 (fewer samples in the top K make
+    the margin larger than the count) and some row has more than r samples.
+    """
+    if stride == 0 or K == 0:
+        return 0, 0
+    ks = max(stride, -(-T // row_keys))
+    m = K / ks
+    r = math.ceil(m + z * math.sqrt(m))
+    if m < 8 or r < 1 or T // ks <= r:
+        return 0, 0
+    return ks, r
+
+
 def lane_rows(SC: int, BN: int, B: int, lanes: int, PR: int) -> int:
     """Most query rows per chunk that one lane's share of ``SCRATCH_BYTES`` holds (each row: BN slots
     of SC int64 keys and BN int32 fill counts), a multiple of PR (rows per scan program), at least PR."""
@@ -287,7 +325,7 @@ def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, check_nan, score_only
         dbg_rows=torch.empty(B, R, dtype=torch.float32, device=dev) if score_only else cnt,
         fin_bitmap=torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev),
         fin_words=torch.empty(n_fin, n_words, dtype=torch.int64, device=dev),
-        stats=torch.zeros(2, dtype=torch.int64, device=dev),
+        stats=torch.zeros(3, dtype=torch.int64, device=dev),
         nan_any=torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None,
     )
 
@@ -347,7 +385,7 @@ def hytopk_triton(
     cfg = config or pick_config(H, D, q.dtype, q.device)
     interp = _interpreting(q.device)
     HP, DP = padded_heads(H), max(16, triton.next_power_of_2(D))
-    BQ = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
+    BQ = BQ_TRITON = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
     use_gluon = _gluon_scan_applies(q, k, cfg, interp, cu_seqlens)
     if use_gluon:  # two groups of BQ queries per program, BQ * H = 256 product columns each
@@ -361,6 +399,7 @@ def hytopk_triton(
     seg = max(1, (SC - k_slots) // 3)
     slack = max(0, int(((SC - seg) * BN - K) * cfg.refine_slack))
     OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
+    KS, rank = (0, 0) if score_only else presample_plan(T, K, SC * BN, cfg.presample, cfg.presample_z)
     dev = q.device
     # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
     # cfg.lanes lanes (the current stream and side streams, each with its share of the scratch), so
@@ -405,6 +444,11 @@ def hytopk_triton(
         k_desc = _GluonTensorDescriptor.from_tensor(k.view(B * T, D), [BN, D], layout)
     else:
         k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, BN, DP]) if use_tma else k
+    if KS:  # the pre-pass's samples: key j at position j * KS (its scan takes Triton's tiles, never Gluon's)
+        k_s = k[:, ::KS].contiguous()
+        # rescue programs (persistent): two per SM check a chunk's rows quickly; rescues are rare
+        n_rescue = 4 if dev.type != "cuda" else 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+        ks_desc = TensorDescriptor(k_s, list(k_s.shape), list(k_s.stride()), [1, BN, DP]) if use_tma else k_s
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not interp:
         launch["maxnreg"] = cfg.maxnreg
@@ -429,6 +473,27 @@ def hytopk_triton(
             # host-to-device copy, which PyTorch follows with a stream sync (a host stall per call).
             th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
             th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
+            if KS:
+                # Threshold pre-pass: the samples go into the (empty) buffers in one launch (a tile adds at
+                # most one key per slot and T / KS <= SC * BN: no slot overflows), a refine with K = rank and
+                # no slack sets each row's tau to its rank-th sample, and tau's index becomes the largest
+                # (every key of that score or above passes); the buffers and stored ranges start empty.
+                _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ_TRITON), B)](
+                    q, k_s, ks_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                    S, T, i0, rc, 0, 0, KS, k_s.shape[1],
+                    *q.stride(), *k_s.stride(), *w.stride(), *start.stride(),
+                    H=H, HP=HP, D=D, DP=DP, BQ=BQ_TRITON, BN=BN, SC=SC, SEG=SC,
+                    RELU=relu, CHECK_NAN=False, IEEE=q.dtype == torch.float32,
+                    UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=False, TMA=use_tma,
+                    ASM_STORE=not interp, **launch,
+                )  # fmt: skip
+                _kernels.hytopk_refine_kernel[(rc, B)](
+                    buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                    ASM_STORE=not interp, **small,
+                )  # fmt: skip
+                th[..., 1:3] = 2**31 - 1
+                th[..., 3] = -(2**31)
+                cnt.zero_()
             refine.zero_()
             if score_only:
                 dbg_rows.zero_()
@@ -451,7 +516,7 @@ def hytopk_triton(
                 else:
                     _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
                         q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
-                        S, T, i0, rc, seg0, SC - seg,
+                        S, T, i0, rc, seg0, SC - seg, 1, T,
                         *q.stride(), *k.stride(), *w.stride(), *start.stride(),
                         H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
                         RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
@@ -459,6 +524,14 @@ def hytopk_triton(
                         ASM_STORE=not interp,
                         **launch,
                     )  # fmt: skip
+            if KS:  # rows whose estimate lay above their K-th key (rare): rebuilt from their keys
+                _kernels.hytopk_rescue_kernel[(min(B * rc, n_rescue),)](
+                    q, k, w, start, buf, cnt, th, ls.stats[2:], S, T, i0, rc, K, B * rc,
+                    *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+                    H=H, HR=max(16, HP), D=D, DP=DP, NS=BN, SC=SC, BK=BN, LOG_NB=cfg.select_bits,
+                    RELU=relu, IEEE=q.dtype == torch.float32, UPCAST=interp and q.dtype != torch.float32,
+                    ASM_STORE=not interp, **small,
+                )  # fmt: skip
             if score_only:
                 dbg[:, i0 : i0 + rc] = dbg_rows[:, :rc]
             if score_only or scan_only:
@@ -472,7 +545,7 @@ def hytopk_triton(
             )  # fmt: skip
             if not interp and (dev.index, fin_key) not in _FINALIZE_FIT:
                 _FINALIZE_FIT[(dev.index, fin_key)] = _resident_programs(fin, dev)
-            ls.stats += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
+            ls.stats[:2] += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
             if check_nan:
                 ls.nan_any |= nan_rows[:, :rc].any()
     for st in streams[1:]:
@@ -481,7 +554,7 @@ def hytopk_triton(
         return dbg if score_only else lane_state[(len(chunk_starts) - 1) % lanes].cnt
     counters = _STATS_DEVICE.get(dev)
     if counters is None:  # (not setdefault: its default would be allocated on every call)
-        counters = _STATS_DEVICE[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
+        counters = _STATS_DEVICE[dev] = torch.zeros(3, dtype=torch.int64, device=dev)
     for ls in lane_state:
         counters += ls.stats
     _STATS["calls"] += 1

@@ -68,6 +68,45 @@ def _key_bounds(th_row):
 
 
 @triton.jit
+def _level_digits(lo, hi, LOG_NB: tl.constexpr):
+    """Shift s and base of one radix-select level over the keys in [lo, hi]: buckets of width 2**s,
+    bucket of key x = (x >> s) - base, fewer than 2**LOG_NB of them.
+
+    s = floor(log2(r)) - (LOG_NB - 3) for r = (hi >> 1) - (lo >> 1) (halved so hi - lo cannot overflow
+    int64), read off r's float exponent (a rounding up of r only makes s larger, which still fits)."""
+    r = ((hi >> 1) - (lo >> 1)).to(tl.float64)
+    e = (r.to(tl.int64, bitcast=True) >> 52) - 1023
+    s = tl.maximum(e - (LOG_NB - 3), 0)
+    return s, lo >> s
+
+
+@triton.jit
+def _bucket_counts(x, inside, s, base, LOG_NB: tl.constexpr):
+    """Histogram of the keys ``x`` (flat) inside the level's range into its buckets (``_level_digits``)."""
+    bins = tl.arange(0, 1 << LOG_NB)
+    digit = tl.where(inside, (x >> s) - base, 0).to(tl.int32)
+    outside = tl.sum((~inside).to(tl.int32))
+    return tl.histogram(digit, 1 << LOG_NB) - tl.where(bins == 0, outside, 0)
+
+
+@triton.jit
+def _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB: tl.constexpr):
+    """One level's decision from its histogram: the bucket b holding the K-th largest key (``above``
+    keys lie above hi). Returns (done, edge, above, hi): done when b's lower edge is tight enough
+    (K <= keys >= edge <= K + SLACK, or b holds one key), else the narrowed range is [edge, hi]."""
+    bins = tl.arange(0, 1 << LOG_NB)
+    suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # keys inside [lo, hi] in buckets >= j
+    b = tl.max(tl.where(suffix >= K - above, bins, -1))
+    suffix_b = tl.sum(tl.where(bins == b, suffix, 0))
+    count_b = tl.sum(tl.where(bins == b, hist, 0))
+    edge = tl.maximum((base + b) << s, lo)
+    done = (above + suffix_b <= K + SLACK) | (count_b <= 1)
+    if base + b < (hi >> s):  # else bucket b holds hi: (base + b + 1) << s could overflow
+        hi = ((base + b + 1) << s) - 1
+    return done, edge, above + suffix_b - count_b, hi
+
+
+@triton.jit
 def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
     """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a
     row, all inside [lo, hi] (``_key_bounds``).
@@ -77,41 +116,24 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
     keeps the bucket holding the K-th largest key and stops as soon as its lower edge is tight
     enough. With SLACK = 0 the result is the exact K-th largest key.
     """
-    bins = tl.arange(0, 1 << LOG_NB)
     depth = tl.max(slots)
     above = tl.zeros([], tl.int32)  # keys > hi
     tau = lo
     done = 0
     while done == 0:
-        # Bucket width 2**s with (hi >> s) - (lo >> s) < 2**LOG_NB: s = floor(log2(r)) - (LOG_NB - 3)
-        # for r = (hi >> 1) - (lo >> 1) (halved so hi - lo cannot overflow int64), read off r's
-        # float exponent (a rounding up of r only makes s larger, which still fits).
-        r = ((hi >> 1) - (lo >> 1)).to(tl.float64)
-        e = (r.to(tl.int64, bitcast=True) >> 52) - 1023
-        s = tl.maximum(e - (LOG_NB - 3), 0)
-        base = lo >> s
+        s, base = _level_digits(lo, hi, LOG_NB)
         hist = tl.zeros([1 << LOG_NB], tl.int32)
         for ob in range(0, depth, OB):
             x, m = _load_slots(row_ptr, slots, ob, NS, OB)
             inside = m & (x >= lo) & (x <= hi)
-            digit = tl.reshape(tl.where(inside, (x >> s) - base, 0).to(tl.int32), [OB * NS])
-            outside = tl.sum((~inside).to(tl.int32))
-            hist += tl.histogram(digit, 1 << LOG_NB) - tl.where(bins == 0, outside, 0)
-        # suffix[j] = keys inside [lo, hi] in buckets >= j
-        suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        need = K - above
-        b = tl.max(tl.where(suffix >= need, bins, -1))
-        suffix_b = tl.sum(tl.where(bins == b, suffix, 0))
-        count_b = tl.sum(tl.where(bins == b, hist, 0))
-        edge = tl.maximum((base + b) << s, lo)
-        ge = above + suffix_b
-        if (ge <= K + SLACK) | (count_b <= 1):
+            hist += _bucket_counts(tl.reshape(x, [OB * NS]), tl.reshape(inside, [OB * NS]), s, base, LOG_NB)
+        level_done, edge, above_next, hi_next = _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB)
+        if level_done:
             tau = edge
             done = 1
         else:
-            above += suffix_b - count_b
-            if base + b < (hi >> s):  # else bucket b holds hi: (base + b + 1) << s could overflow
-                hi = ((base + b + 1) << s) - 1
+            above = above_next
+            hi = hi_next
             lo = edge
     return tau
 
@@ -206,7 +228,7 @@ def _balanced_slots(n, NS: tl.constexpr):
 @triton.jit
 def hytopk_scan_kernel(
     q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
-    S, T, I0, R, SEG0, LOCAL_TILES,
+    S, T, I0, R, SEG0, LOCAL_TILES, KS, NK,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
@@ -216,7 +238,11 @@ def hytopk_scan_kernel(
     """Scores tiles ``[SEG0, SEG0 + SEG)`` of the key windows of BQ query rows (queries I0 + [0, R)
     of batch program_id(1)) and appends every key >= the row's threshold ``th[b, r]`` to the row's
     slotted buffer ``buf[b, r]`` (SC * BN keys); the slot fill counts live in ``cnt[b, r, 0:BN]``
-    between launches. The caller refines full rows between launches, so no slot overflows here."""
+    between launches. The caller refines full rows between launches, so no slot overflows here.
+
+    ``KS`` > 1 scores a sample instead (the threshold pre-pass, ``host``): the NK keys behind k are
+    every KS-th key of the sequence, key j standing at position j * KS, and a row sees the samples
+    inside its window; stored indices are sample numbers. ``KS`` = 1 and NK = T is the plain scan."""
     b = tl.program_id(1)
     n_blocks = tl.cdiv(R, BQ)
     blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
@@ -225,8 +251,8 @@ def hytopk_scan_kernel(
     r_loc = blk * BQ + rq
     row_ok = r_loc < R
     qi = I0 + r_loc
-    start = tl.load(start_ptr + b * s_sb + qi * s_ss, mask=row_ok, other=0)
-    end = tl.where(row_ok, T - S + qi, -1)  # inclusive; query i sits at key position T - S + i
+    start = (tl.load(start_ptr + b * s_sb + qi * s_ss, mask=row_ok, other=0) + KS - 1) // KS
+    end = tl.where(row_ok, (T - S + qi) // KS, -1)  # inclusive; query i sits at key position T - S + i
     live = row_ok & (start <= end)
     lo = tl.min(tl.where(live, start, T))
     hi = tl.max(tl.where(live, end, -1))
@@ -297,7 +323,7 @@ def hytopk_scan_kernel(
             kt = tl.reshape(k_desc.load([b, tile * BN, 0]), (BN, DP))
         else:
             k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
-            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)
+            kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < NK) & (d[None, :] < D), other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
@@ -447,3 +473,128 @@ def hytopk_finalize_kernel(
             if WRITE_SCORES:
                 tl.store(out_score + offs, tl.full([BLOCK_W], float("-inf"), tl.float32), mask=offs < KOUT)
         tl.debug_barrier()  # the next row reuses the scratch
+
+
+@triton.jit
+def _rescored_keys(
+    k_ptr, qT, wv, n0, start, end, T, s_kt, s_kd,
+    H: tl.constexpr, HR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr,
+    RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One query row's keys ``n0 + [0, BK)``, scored as the scan scores them: int64 keys, monos and
+    which of them the row sees."""
+    offs_n = n0 + tl.arange(0, BK)
+    d = tl.arange(0, DP)
+    kt = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * s_kt + d[None, :] * s_kd,
+                 mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)  # fmt: skip
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(kt, qT, input_precision="ieee")
+    else:
+        acc = tl.dot(kt, qT)
+    if RELU:
+        acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    acc = tl.where(tl.arange(0, HR)[None, :] < H, acc * wv[None, :], 0.0)
+    sc = tl.sum(acc, axis=1)
+    bits = sc.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == _I32_MIN, 0, bits)
+    mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    mono = tl.where(tl.abs(sc) < float("inf"), mono, _NAN_MONO)
+    key = ((mono.to(tl.int64) + 1) << 32) - 1 - offs_n.to(tl.int64)
+    return key, mono, (offs_n >= start) & (offs_n <= end)
+
+
+@triton.jit
+def hytopk_rescue_kernel(
+    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, stat_ptr,
+    S, T, I0, R, K, n_rows,
+    s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
+    H: tl.constexpr, HR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr,
+    BK: tl.constexpr, LOG_NB: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ASM_STORE: tl.constexpr,
+):  # fmt: skip
+    """Completes every row whose buffer holds fewer keys than its top K: the threshold pre-pass's
+    estimate lay above the row's K-th key (``host``: rare by design).
+
+    Such a row's buffer holds only keys above its true K-th key, so it is rebuilt from the keys
+    themselves: a radix select whose every level rescores the row's window (no buffer can hold it),
+    then its K keys >= the exact K-th key written to the front of the buffer (a balanced slot layout)
+    and the row state set as a refine sets it. Persistent: program p checks rows p, p + P, ... of the
+    n_rows = B * R rows (a grid of one program per row would spend its time starting programs that
+    find nothing to do; this body holds many registers)."""
+    for rr in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        _rescue_row(
+            q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, stat_ptr, S, T, I0, R, K, rr // R, rr % R,
+            s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
+            H, HR, D, DP, NS, SC, BK, LOG_NB, RELU, IEEE, UPCAST, ASM_STORE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rescue_row(
+    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, stat_ptr, S, T, I0, R, K, b, r,
+    s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
+    H: tl.constexpr, HR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr,
+    BK: tl.constexpr, LOG_NB: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ASM_STORE: tl.constexpr,
+):  # fmt: skip
+    """``hytopk_rescue_kernel`` on row r of batch b."""
+    row = (b * R + r).to(tl.int64)
+    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+    qi = I0 + r
+    start = tl.load(start_ptr + b * s_sb + qi * s_ss)
+    end = T - S + qi
+    n_vis = tl.maximum(end - start + 1, 0)
+    need = tl.minimum(K, n_vis)
+    if tl.sum(slots) < need:
+        h = tl.arange(0, HR)
+        d = tl.arange(0, DP)
+        q_row = q_ptr + b * s_qb + qi.to(tl.int64) * s_qs
+        qT = tl.load(q_row + h[None, :] * s_qh + d[:, None] * s_qd, mask=(h[None, :] < H) & (d[:, None] < D), other=0.0)
+        if UPCAST:
+            qT = qT.to(tl.float32)
+        wv = tl.load(w_ptr + b * s_wb + qi.to(tl.int64) * s_ws + h * s_wh, mask=h < H, other=0.0)
+        k_seq = k_ptr + b * s_kb
+        n_lo = start // BK * BK
+        m_lo = tl.full([], _I32_MAX, tl.int32)  # the monos' range bounds the first level
+        m_hi = tl.full([], _I32_MIN, tl.int32)
+        for n0 in range(n_lo, end + 1, BK):
+            _, mono, vis = _rescored_keys(k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST)
+            m_lo = tl.minimum(m_lo, tl.min(tl.where(vis, mono, _I32_MAX)))
+            m_hi = tl.maximum(m_hi, tl.max(tl.where(vis, mono, _I32_MIN)))
+        lo = m_lo.to(tl.int64) << 32
+        hi = ((m_hi.to(tl.int64) + 1) << 32) - 1
+        tau = tl.full([], _I64_MIN, tl.int64)  # need = every visible key: keep them all
+        if need < n_vis:
+            above = tl.zeros([], tl.int32)
+            done = 0
+            while done == 0:  # _select_threshold with SLACK = 0, each level rescoring the window
+                s, base = _level_digits(lo, hi, LOG_NB)
+                hist = tl.zeros([1 << LOG_NB], tl.int32)
+                for n0 in range(n_lo, end + 1, BK):
+                    key, _, vis = _rescored_keys(
+                        k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST
+                    )
+                    hist += _bucket_counts(key, vis & (key >= lo) & (key <= hi), s, base, LOG_NB)
+                level_done, edge, above_next, hi_next = _level_pick(hist, above, need, 0, lo, hi, s, base, LOG_NB)
+                if level_done:
+                    tau = edge
+                    done = 1
+                else:
+                    above = above_next
+                    hi = hi_next
+                    lo = edge
+        row_ptr = buf_ptr + row * (SC * NS)
+        kept = tl.zeros([], tl.int32)
+        for n0 in range(n_lo, end + 1, BK):
+            key, _, vis = _rescored_keys(k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST)
+            keep = (vis & (key >= tau)).to(tl.int32)
+            _put_in_layout(row_ptr + kept + tl.cumsum(keep, 0) - keep, key, keep > 0, False, ASM_STORE)
+            kept += tl.sum(keep)
+        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
+        tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
+        tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
+        tl.store(th_ptr + row * 4 + 2, m_lo)
+        tl.store(th_ptr + row * 4 + 3, m_hi)
+        tl.atomic_add(stat_ptr, 1)

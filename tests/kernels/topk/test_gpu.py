@@ -157,10 +157,12 @@ def test_nan_check_and_buffer_refine_counted():
         hytopk(q, k, w, K, check_nan=True, backend="triton")
     got = hytopk(q, k, w, K, return_scores=True, backend="triton")
     assert_same(got, ref_topk(q, k, w, K), "nan unchecked")
-    # a small buffer (K + 1024 slots) forces refines on every row with more visible keys than that;
-    # the answer must not change, and the refines are counted
+    # a small buffer (K + 256 keys) forces refines on every row with more visible keys than that
+    # (without the threshold pre-pass, which would start most rows above most keys); the answer must
+    # not change, and the refines are counted
     reset_hytopk_stats()
-    small = hytopk_triton(q, k, w, K, cap=K + 256)
+    no_presample = dataclasses.replace(pick_config(32, 128, q.dtype, q.device), presample=0)
+    small = hytopk_triton(q, k, w, K, cap=K + 256, config=no_presample)
     assert_same(small, got, "small buffer")
     stats = hytopk_stats()
     assert stats["rows_refined"] >= 1024 and stats["refines"] > stats["rows_refined"]
@@ -188,7 +190,7 @@ def test_chunks_over_lanes_exact_counted_and_sync_free():
     base = pick_config(32, 128, q.dtype, q.device)
     counts = []
     for lanes in (1, 3):
-        cfg = dataclasses.replace(base, lanes=lanes)
+        cfg = dataclasses.replace(base, lanes=lanes, presample=0)  # every row fills its buffer
         reset_hytopk_stats()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -205,6 +207,46 @@ def test_chunks_over_lanes_exact_counted_and_sync_free():
     k_nan[0, T - 10] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         hytopk_triton(q, k_nan, w, K, config=dataclasses.replace(base, lanes=3), chunk_rows=600, check_nan=True)
+
+
+@pytest.mark.parametrize("H,D", [(32, 128), (4, 64)])
+def test_presample_rescues_exact_and_sync_free(H, D):
+    """The threshold pre-pass with no margin (``presample_z = 0``: about half the long rows' estimates
+    lie above their K-th key) rescues rows in every chunk, over two lanes, without a host sync, and
+    returns the exact sets; the default margin rescues none of these rows."""
+    T = 8192
+    q, k, w = int_inputs(1, T, T, H, D, device="cuda", seed=13, qk_range=2)
+    ref = ref_topk(q, k, w, K)
+    base = pick_config(H, D, q.dtype, q.device)
+    for z, rescues in ((0.0, True), (base.presample_z, False)):
+        cfg = dataclasses.replace(base, presample_z=z)
+        hytopk_triton(q, k, w, K, config=cfg, chunk_rows=1000)  # compile first
+        reset_hytopk_stats()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = hytopk_triton(q, k, w, K, config=cfg, chunk_rows=1000, return_lse=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_same(got, ref, f"presample z={z}")
+        rescued = hytopk_stats()["rows_rescued"]
+        assert (rescued > 100) if rescues else (rescued == 0), (z, rescued)
+
+
+def test_presample_continuous_inputs_valid():
+    """Continuous bf16 scores of a small indexer at 32K (no ties): the pre-pass's estimate lies below
+    every row's K-th key and the sets are valid top-K sets, as without it."""
+    g = torch.Generator().manual_seed(14)
+    T = 32768
+    q = torch.randn(1, T, 4, 64, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(1, T, 64, generator=g).to("cuda", torch.bfloat16)
+    w = torch.rand(1, T, 4, generator=g).cuda()
+    reset_hytopk_stats()
+    idx, sc, _ = hytopk_triton(q, k, w, K)
+    assert hytopk_stats()["rows_rescued"] == 0
+    # the last 512 rows, the longest (the reference is slow): as the last queries of the sequence
+    # they see the same windows (query i of S sits at key T - S + i)
+    assert_valid_topk(idx[:, -512:], sc[:, -512:], q[:, -512:], k, w[:, -512:], K, tol=1e-5)
 
 
 class _LaunchCounter:

@@ -1,0 +1,84 @@
+"""HyTopK's threshold pre-pass (``HyTopKConfig.presample``) and the rescue of rows it overshoots.
+
+The pre-pass starts each row's threshold at the r-th largest of every KS-th key's score; a row where
+fewer than K keys reach it is rebuilt by ``hytopk_rescue_kernel``. A negative or zero margin
+(``presample_z``) makes that common, so these tests reach the rescue on purpose. Everything is
+compared bit for bit with the torch reference on integer inputs (interpreter on CPU).
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from hyscale_hf.kernels.topk import HyTopKConfig, host, hytopk_stats, hytopk_triton, reset_hytopk_stats
+from hyscale_hf.kernels.topk.naive import hytopk_reference
+from tests.support.hytopk_cases import adversarial_inputs, assert_same, int_inputs
+
+triton = pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BASE = host.pick_config(4, 16, torch.bfloat16, torch.device(DEV))
+
+
+def config(**kw) -> HyTopKConfig:
+    return dataclasses.replace(BASE, presample=2, **kw)
+
+
+def run(q, k, w, topk, cfg, cap=None, **kw):
+    reset_hytopk_stats()
+    got = hytopk_triton(q, k, w, topk, config=cfg, cap=cap, **kw)
+    assert_same(got, hytopk_reference(q, k, w, topk, **kw), f"{cfg.presample} z={cfg.presample_z} {kw}")
+    return hytopk_stats()
+
+
+def test_plan_rank_and_where_it_applies():
+    # K / KS = 128 samples expected in the top K; r lies z standard deviations (sqrt(128)) above
+    assert host.presample_plan(32768, 2048, 16384, 16, 5.0) == (16, math.ceil(128 + 5 * math.sqrt(128)))
+    # the samples must fit one row's buffer: a longer T takes a larger stride
+    assert host.presample_plan(1 << 20, 2048, 16384, 16, 5.0)[0] == 64
+    assert host.presample_plan(32768, 2048, 16384, 0, 5.0) == (0, 0)  # off
+    assert host.presample_plan(32768, 64, 16384, 16, 5.0) == (0, 0)  # K / KS = 4 < 8
+    assert host.presample_plan(2048, 2048, 16384, 16, 5.0) == (0, 0)  # no row has more than r samples
+    assert host.presample_plan(32768, 2048, 16384, 16, -20.0) == (0, 0)  # r < 1
+
+
+@pytest.mark.parametrize("z", [5.0, 0.0], ids=["margin", "rescues"])
+def test_random_integer_inputs_bitwise(z):
+    q, k, w = int_inputs(2, 96, 96, 4, 16, device=DEV, seed=1)
+    st = run(q, k, w, 16, config(presample_z=z))
+    # ties at the estimate's score all pass it, so a margin of 5 never misses on these inputs
+    assert (st["rows_rescued"] > 0) if z == 0.0 else (st["rows_rescued"] == 0), st
+
+
+def test_adversarial_rows_rescued_bitwise():
+    """Plateaus, monotone rows (the estimate of an increasing row sits at its latest keys), one huge
+    bucket, shared strong keys; with no margin many rows take the rescue."""
+    q, k, w = adversarial_inputs(64, 64, 4, 16, device=DEV, seed=2)
+    assert run(q, k, w, 16, config(presample_z=0.0))["rows_rescued"] > 0
+
+
+def test_windows_packed_sequences_relu_off_and_nan_rescued_bitwise():
+    q, k, w = int_inputs(1, 96, 96, 4, 16, device=DEV, seed=5)
+    cfg = config(presample_z=0.0)
+    cu = torch.tensor([0, 10, 10, 70, 96], dtype=torch.int32, device=DEV)  # with an empty sequence
+    rescued = run(q, k, w, 16, cfg, cu_seqlens=cu)["rows_rescued"]
+    rescued += run(q, k, w, 16, cfg, window_start=torch.randint(-2, 98, (1, 96), device=DEV))["rows_rescued"]
+    k[0, 40] = float("nan")  # NaN ranks below every finite score; ReLU off: negative scores
+    rescued += run(q, k, w, 16, cfg, relu=False)["rows_rescued"]
+    assert rescued > 0
+
+
+def test_refines_after_the_estimate_bitwise():
+    """A buffer of 64 keys a row against about r * KS = 46 keys above the estimate: rows still refine
+    (the pre-pass only starts the threshold higher), and the result stays exact."""
+    q, k, w = int_inputs(2, 96, 96, 4, 16, device=DEV, seed=7)
+    st = run(q, k, w, 16, config(presample_z=5.0), cap=64)
+    assert st["rows_refined"] > 0, st
+
+
+@pytest.mark.parametrize("kw,name", [({"presample": 1}, "presample"), ({"presample": -2}, "presample"),
+                                     ({"presample_z": 11.0}, "presample_z")])
+def test_bad_settings_are_rejected(kw, name):
+    with pytest.raises(ValueError, match=name):
+        HyTopKConfig(BQ=2, BN=16, **kw)
