@@ -247,7 +247,7 @@ def presample_configs():
     with other sample strides and margins, and the default pre-pass with a 4 x K candidate buffer (it
     appends about K + z * sqrt(K * stride) keys a row, so a smaller buffer fits more rows per chunk)."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-    variants = [dict(presample=0), dict(), dict(presample=8), dict(presample=32), dict(presample_z=4.0),
+    variants = [dict(presample=0), dict(), dict(presample=8), dict(presample=16), dict(presample_z=4.0),
                 dict(buffer_k=4)]
     return [(dataclasses.replace(base, **v), None) for v in variants]
 

@@ -113,10 +113,13 @@ class HyTopKConfig:
     # Threshold pre-pass (``presample_plan``): each row's threshold starts at an estimate of its K-th
     # score from every ``presample``-th key instead of at the smallest key, so the scan appends about
     # K + z * sqrt(K * presample) keys a row instead of filling and refining its buffer; 0 turns it off.
+    # H100, indices + lse, whole op, strides 0 / 8 / 16 / 32 in one run: 4 x 64 at 32K 9.28 / 8.39 /
+    # 10.40 / 8.22 ms, 32 x 128 at 128K 152.4 / 159.8 / 144.0 / 139.7 ms (`--sweep-presample`).
     # ``presample_z`` is the estimate's margin in standard deviations of the sample count: a row whose
-    # estimate still lies above its K-th key (about 1e-6 of the rows at z = 5 on iid scores; many with a
-    # negative z, which tests use) is completed by ``hytopk_rescue_kernel``, exact but slower.
-    presample: int = 16
+    # estimate still lies above its K-th key (none in those runs at z = 5, one or two a call at z = 4;
+    # most long rows at z = 0, which tests use) is rebuilt by ``hytopk_rescue_kernel``: exact, but one
+    # row's rescue took about 1.6 ms at 32K and 7 ms at 128K in those runs.
+    presample: int = 32
     presample_z: float = 5.0
 
     def __post_init__(self):
