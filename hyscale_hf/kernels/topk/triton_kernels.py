@@ -27,6 +27,12 @@ histogram and registers slowed the scan even when no row needed it (lower occupa
 state (tau, fill counts, and the smallest and largest stored mono, which bound the radix select so
 it needs no min/max pass over the buffer) crosses launches through small global arrays.
 
+Threshold pre-pass (``host.presample_plan``): before the first segment, the scan runs once over every
+KS-th key into the empty buffers and a refine with K = r and no slack sets each row's tau to its r-th
+sample, so rows start near their K-th key instead of filling and refining their buffers.
+``hytopk_rescue_kernel`` then rebuilds, exactly, any row that ended with fewer keys than its top K
+(its estimate lay above its K-th key).
+
 ``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
 index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf padded.
 """
