@@ -211,8 +211,8 @@ def test_chunks_over_lanes_exact_counted_and_sync_free():
 
 @pytest.mark.parametrize("H,D", [(32, 128), (4, 64)])
 def test_presample_rescues_exact_and_sync_free(H, D):
-    """The threshold pre-pass with no margin (``presample_z = 0``: about half the long rows' estimates
-    lie above their K-th key) rescues rows in every chunk, over two lanes, without a host sync, and
+    """The threshold pre-pass with no margin (``presample_z = 0``: many long rows' estimates lie above
+    their K-th key) rescues rows in every chunk, over two lanes, without a host sync, and
     returns the exact sets; the default margin rescues none of these rows."""
     T = 8192
     q, k, w = int_inputs(1, T, T, H, D, device="cuda", seed=13, qk_range=2)
