@@ -93,10 +93,19 @@ def hytopk_scan_small_cases():
 
 
 def hytopk_rescue_cases():
-    """HyTopK's rescue of rows whose pre-pass estimate missed (``hytopk_rescue_kernel``), at a small
-    indexer's shape and at the DSA indexer's (32 x 128)."""
+    """HyTopK's threshold pre-pass kernels: the refine that sets each row's estimate (and the usual
+    refine beside it), the short-row check and the rescue of rows whose estimate missed
+    (``hytopk_rescue_kernel``), at a small indexer's shape and at the DSA indexer's (32 x 128)."""
+    sel = dict(NS=64, SC=256, OB=1, LOG_NB=7, ASM_STORE=True)
+    refine_ptrs = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", refine_ptr="*i32")
+    for presample in (True, False):
+        yield (f"hytopk_refine_kernel PRESAMPLE={presample}", topk_kernels.hytopk_refine_kernel, refine_ptrs,
+               dict(sel, PRESAMPLE=presample), {"num_warps": 4})  # fmt: skip
+    yield ("hytopk_short_rows_kernel", topk_kernels.hytopk_short_rows_kernel,
+           dict(cnt_ptr="*i32", start_ptr="*i32", rows_ptr="*i32", n_ptr="*i32", stat_ptr="*i64"),
+           dict(NS=64, BR=128), {"num_warps": 4})  # fmt: skip
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32",
-                    th_ptr="*i32", stat_ptr="*i64")
+                    th_ptr="*i32", rows_ptr="*i32", n_ptr="*i32")
     for h, d in [(4, 64), (32, 128)]:
         consts = dict(H=h, HR=max(16, h), D=d, DP=d, NS=64, SC=256, BK=64, LOG_NB=7, RELU=True, IEEE=False,
                       UPCAST=False, ASM_STORE=True)

@@ -50,6 +50,8 @@ SCRATCH_BYTES = 1 << 30
 MAX_TRITON_TOPK = 4096
 # Scratch of the final per-row selection (bitmaps + word ranks of its persistent programs).
 FINALIZE_SCRATCH_BYTES = 128 << 20
+# Rows per program of the pre-pass's short-row check (``hytopk_short_rows_kernel``).
+SHORT_ROWS_BLOCK = 128
 
 _STATS: dict = {"calls": 0, "rows": 0}
 _STATS_DEVICE: dict = {}  # device -> int64 [3]: rows refined, refinements, rows rescued (added without a sync)
@@ -302,7 +304,8 @@ def chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[i
 @dataclass
 class _LaneScratch:
     """Per-lane scratch of one call: a chunk's candidate buffers and row state, the final
-    selection's bitmaps, and the lane's counters (rows refined, refines; NaN seen)."""
+    selection's bitmaps, the rows the rescue must rebuild, and the lane's counters (rows refined,
+    refines, rows rescued; NaN seen)."""
 
     buf: torch.Tensor
     cnt: torch.Tensor
@@ -313,6 +316,7 @@ class _LaneScratch:
     fin_bitmap: torch.Tensor
     fin_words: torch.Tensor
     stats: torch.Tensor
+    short_rows: torch.Tensor
     nan_any: torch.Tensor | None
 
 
@@ -329,6 +333,7 @@ def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, check_nan, score_only
         fin_bitmap=torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev),
         fin_words=torch.empty(n_fin, n_words, dtype=torch.int64, device=dev),
         stats=torch.zeros(3, dtype=torch.int64, device=dev),
+        short_rows=torch.empty(B * R, dtype=torch.int32, device=dev),
         nan_any=torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None,
     )
 
@@ -449,9 +454,9 @@ def hytopk_triton(
         k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, BN, DP]) if use_tma else k
     if KS:  # the pre-pass's samples: key j at position j * KS (its scan takes Triton's tiles, never Gluon's)
         k_s = k[:, ::KS].contiguous()
-        # rescue programs (persistent): two per SM walk a chunk's rows; with nothing to rescue this check
-        # still took 1.4 ms per call at 128K on an H100 (33 chunks; benchmarks/notes.md)
+        # rescue programs (persistent): two per SM take the listed rows; each chunk's count of short rows
         n_rescue = 4 if dev.type != "cuda" else 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+        n_short = torch.zeros(len(chunk_starts), dtype=torch.int32, device=dev)
         ks_desc = TensorDescriptor(k_s, list(k_s.shape), list(k_s.stride()), [1, BN, DP]) if use_tma else k_s
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.maxnreg and not interp:
@@ -479,9 +484,9 @@ def hytopk_triton(
             th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
             if KS:
                 # Threshold pre-pass: the samples go into the (empty) buffers in one launch (a tile adds at
-                # most one key per slot and T / KS <= SC * BN: no slot overflows), a refine with K = rank and
-                # no slack sets each row's tau to its rank-th sample, and tau's index becomes the largest
-                # (every key of that score or above passes); the buffers and stored ranges start empty.
+                # most one key per slot and T / KS <= SC * BN: no slot overflows), then a refine with K = rank
+                # sets each row's tau to its rank-th sample, every key of that score passing, and empties the
+                # buffers and stored ranges again.
                 _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ_TRITON), B)](
                     q, k_s, ks_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
                     S, T, i0, rc, 0, 0, KS, k_s.shape[1],
@@ -493,11 +498,8 @@ def hytopk_triton(
                 )  # fmt: skip
                 _kernels.hytopk_refine_kernel[(rc, B)](
                     buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                    ASM_STORE=not interp, **small,
+                    ASM_STORE=not interp, PRESAMPLE=True, **small,
                 )  # fmt: skip
-                th[..., 1:3] = 2**31 - 1
-                th[..., 3] = -(2**31)
-                cnt.zero_()
             refine.zero_()
             if score_only:
                 dbg_rows.zero_()
@@ -507,7 +509,7 @@ def hytopk_triton(
                 if not score_only and seg0 > SC - seg:
                     _kernels.hytopk_refine_kernel[(rc, B)](
                         buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                        ASM_STORE=not interp, **small,
+                        ASM_STORE=not interp, PRESAMPLE=False, **small,
                     )  # fmt: skip
                 if use_gluon:
                     scan_gluon.hytopk_scan_ws_kernel[(triton.cdiv(rc, PR), B)](
@@ -528,9 +530,13 @@ def hytopk_triton(
                         ASM_STORE=not interp,
                         **launch,
                     )  # fmt: skip
-            if KS:  # rows whose estimate lay above their K-th key (rare): rebuilt from their keys
-                _kernels.hytopk_rescue_kernel[(min(B * rc, n_rescue),)](
-                    q, k, w, start, buf, cnt, th, ls.stats[2:], S, T, i0, rc, K, B * rc,
+            if KS:  # rows whose estimate lay above their K-th key (rare): listed, then rebuilt from their keys
+                _kernels.hytopk_short_rows_kernel[(triton.cdiv(B * rc, SHORT_ROWS_BLOCK),)](
+                    cnt, start, ls.short_rows, n_short[c:], ls.stats[2:], S, T, i0, rc, K, B * rc, *start.stride(),
+                    NS=BN, BR=SHORT_ROWS_BLOCK, **small,
+                )  # fmt: skip
+                _kernels.hytopk_rescue_kernel[(n_rescue,)](
+                    q, k, w, start, buf, cnt, th, ls.short_rows, n_short[c:], S, T, i0, rc, K,
                     *q.stride(), *k.stride(), *w.stride(), *start.stride(),
                     H=H, HR=max(16, HP), D=D, DP=DP, NS=BN, SC=SC, BK=BN, LOG_NB=cfg.select_bits,
                     RELU=relu, IEEE=q.dtype == torch.float32, UPCAST=interp and q.dtype != torch.float32,

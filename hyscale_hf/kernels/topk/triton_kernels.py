@@ -28,10 +28,11 @@ state (tau, fill counts, and the smallest and largest stored mono, which bound t
 it needs no min/max pass over the buffer) crosses launches through small global arrays.
 
 Threshold pre-pass (``host.presample_plan``): before the first segment, the scan runs once over every
-KS-th key into the empty buffers and a refine with K = r and no slack sets each row's tau to its r-th
-sample, so rows start near their K-th key instead of filling and refining their buffers.
-``hytopk_rescue_kernel`` then rebuilds, exactly, any row that ended with fewer keys than its top K
-(its estimate lay above its K-th key).
+KS-th key into the empty buffers and a refine (``PRESAMPLE``: K = r, no slack) sets each row's tau to
+its r-th sample and empties the buffer, so rows start near their K-th key instead of filling and
+refining their buffers. After the scan, ``hytopk_short_rows_kernel`` lists any row that ended with
+fewer keys than its top K (its estimate lay above its K-th key) and ``hytopk_rescue_kernel`` rebuilds
+each listed row exactly.
 
 ``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
 index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf padded.
@@ -98,15 +99,16 @@ def _bucket_counts(x, inside, s, base, LOG_NB: tl.constexpr):
 @triton.jit
 def _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB: tl.constexpr):
     """One level's decision from its histogram: the bucket b holding the K-th largest key (``above``
-    keys lie above hi). Returns (done, edge, above, hi): done when b's lower edge is tight enough
-    (K <= keys >= edge <= K + SLACK, or b holds one key), else the narrowed range is [edge, hi]."""
+    keys lie above hi). Returns the next level's state (done, lo, above, hi) with lo = b's lower edge:
+    done when that edge is tight enough (K <= keys >= edge <= K + SLACK, or b holds one key), the
+    threshold then being lo; else the narrowed range is [lo, hi]."""
     bins = tl.arange(0, 1 << LOG_NB)
     suffix = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # keys inside [lo, hi] in buckets >= j
     b = tl.max(tl.where(suffix >= K - above, bins, -1))
     suffix_b = tl.sum(tl.where(bins == b, suffix, 0))
     count_b = tl.sum(tl.where(bins == b, hist, 0))
     edge = tl.maximum((base + b) << s, lo)
-    done = (above + suffix_b <= K + SLACK) | (count_b <= 1)
+    done = ((above + suffix_b <= K + SLACK) | (count_b <= 1)).to(tl.int32)
     if base + b < (hi >> s):  # else bucket b holds hi: (base + b + 1) << s could overflow
         hi = ((base + b + 1) << s) - 1
     return done, edge, above + suffix_b - count_b, hi
@@ -124,8 +126,7 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
     """
     depth = tl.max(slots)
     above = tl.zeros([], tl.int32)  # keys > hi
-    tau = lo
-    done = 0
+    done = tl.zeros([], tl.int32)
     while done == 0:
         s, base = _level_digits(lo, hi, LOG_NB)
         hist = tl.zeros([1 << LOG_NB], tl.int32)
@@ -133,15 +134,8 @@ def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl
             x, m = _load_slots(row_ptr, slots, ob, NS, OB)
             inside = m & (x >= lo) & (x <= hi)
             hist += _bucket_counts(tl.reshape(x, [OB * NS]), tl.reshape(inside, [OB * NS]), s, base, LOG_NB)
-        level_done, edge, above_next, hi_next = _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB)
-        if level_done:
-            tau = edge
-            done = 1
-        else:
-            above = above_next
-            hi = hi_next
-            lo = edge
-    return tau
+        done, lo, above, hi = _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB)
+    return lo
 
 
 @triton.jit
@@ -386,14 +380,27 @@ def hytopk_scan_kernel(
 def hytopk_refine_kernel(
     buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, ASM_STORE: tl.constexpr,
+    PRESAMPLE: tl.constexpr,
 ):  # fmt: skip
     """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
     threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
-    the survivors compacted to the front (a balanced slot layout) and the row's tau raised."""
+    the survivors compacted to the front (a balanced slot layout) and the row's tau raised.
+
+    ``PRESAMPLE``: the threshold pre-pass's refine (SLACK = 0, every row): tau becomes the row's K-th
+    sample key (or stays the smallest key with K samples or fewer) with every key of its score passing
+    (tau index = max), and the buffer and stored range start empty, as the main scan expects: the
+    samples themselves are not kept, so nothing is compacted."""
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
-    if tl.max(slots) > LIMIT:
-        row_ptr = buf_ptr + row * (SC * NS)
+    row_ptr = buf_ptr + row * (SC * NS)
+    if PRESAMPLE:
+        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)
+        tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
+        tl.store(th_ptr + row * 4 + 1, _I32_MAX)  # tau index
+        tl.store(th_ptr + row * 4 + 2, _I32_MAX)  # stored range: empty
+        tl.store(th_ptr + row * 4 + 3, _I32_MIN)
+        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
+    elif tl.max(slots) > LIMIT:
         tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
         kept = _compact(row_ptr, slots, tau, NS, OB, ASM_STORE)
         t_hi = tau >> 32
@@ -512,26 +519,54 @@ def _rescored_keys(
 
 
 @triton.jit
+def hytopk_short_rows_kernel(
+    cnt_ptr, start_ptr, rows_ptr, n_ptr, stat_ptr, S, T, I0, R, K, n_rows, s_sb, s_ss,
+    NS: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """Lists the rows (of the chunk's n_rows = B * R) whose buffer holds fewer keys than their top K,
+    i.e. whose threshold pre-pass estimate lay above their K-th key: their numbers go to
+    ``rows_ptr[0:n]``, n to ``n_ptr`` (zero before the launch) and to ``stat_ptr`` (a running count).
+
+    A small kernel of its own so that the rescue, which holds many registers, only starts programs
+    for rows that need it: its persistent walk over every row took 1.4 ms per call at 128K (H100) with
+    nothing to rescue."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rr < n_rows
+    r = rr % R
+    qi = I0 + r
+    held = tl.sum(tl.load(cnt_ptr + rr.to(tl.int64)[:, None] * NS + tl.arange(0, NS)[None, :], mask=ok[:, None], other=0), 1)
+    start = tl.load(start_ptr + (rr // R) * s_sb + qi * s_ss, mask=ok, other=0)
+    need = tl.minimum(K, tl.maximum(T - S + qi - start + 1, 0))
+    short = (ok & (held < need)).to(tl.int32)
+    n_short = tl.sum(short)
+    if n_short > 0:
+        first = tl.atomic_add(n_ptr, n_short)
+        tl.store(rows_ptr + first + tl.cumsum(short, 0) - short, rr, mask=short > 0)
+        tl.atomic_add(stat_ptr, n_short.to(tl.int64))
+
+
+@triton.jit
 def hytopk_rescue_kernel(
-    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, stat_ptr,
-    S, T, I0, R, K, n_rows,
+    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, rows_ptr, n_ptr,
+    S, T, I0, R, K,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr,
     BK: tl.constexpr, LOG_NB: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ASM_STORE: tl.constexpr,
 ):  # fmt: skip
-    """Completes every row whose buffer holds fewer keys than its top K: the threshold pre-pass's
-    estimate lay above the row's K-th key (``host``: rare by design).
+    """Completes every row that ``hytopk_short_rows_kernel`` listed (``rows_ptr[0:n_ptr[0]]``): its
+    buffer holds fewer keys than its top K because the threshold pre-pass's estimate lay above the
+    row's K-th key (``host``: rare by design).
 
     Such a row's buffer holds only keys above its true K-th key, so it is rebuilt from the keys
     themselves: a radix select whose every level rescores the row's window (no buffer can hold it),
     then its K keys >= the exact K-th key written to the front of the buffer (a balanced slot layout)
-    and the row state set as a refine sets it. Persistent: program p checks rows p, p + P, ... of the
-    n_rows = B * R rows (a grid of one program per row would spend its time starting programs that
-    find nothing to do; this body holds many registers)."""
-    for rr in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+    and the row state set as a refine sets it. Persistent: program p takes listed rows p, p + P, ...;
+    with an empty list every program returns at once."""
+    for w in range(tl.program_id(0), tl.load(n_ptr), tl.num_programs(0)):
+        rr = tl.load(rows_ptr + w)
         _rescue_row(
-            q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, stat_ptr, S, T, I0, R, K, rr // R, rr % R,
+            q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, S, T, I0, R, K, rr // R, rr % R,
             s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
             H, HR, D, DP, NS, SC, BK, LOG_NB, RELU, IEEE, UPCAST, ASM_STORE,
         )  # fmt: skip
@@ -539,68 +574,59 @@ def hytopk_rescue_kernel(
 
 @triton.jit
 def _rescue_row(
-    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, stat_ptr, S, T, I0, R, K, b, r,
+    q_ptr, k_ptr, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, S, T, I0, R, K, b, r,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS: tl.constexpr, SC: tl.constexpr,
     BK: tl.constexpr, LOG_NB: tl.constexpr, RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ASM_STORE: tl.constexpr,
 ):  # fmt: skip
-    """``hytopk_rescue_kernel`` on row r of batch b."""
+    """``hytopk_rescue_kernel`` on row r of batch b (listed: it holds fewer keys than its top K)."""
     row = (b * R + r).to(tl.int64)
-    slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     qi = I0 + r
     start = tl.load(start_ptr + b * s_sb + qi * s_ss)
     end = T - S + qi
     n_vis = tl.maximum(end - start + 1, 0)
     need = tl.minimum(K, n_vis)
-    if tl.sum(slots) < need:
-        h = tl.arange(0, HR)
-        d = tl.arange(0, DP)
-        q_row = q_ptr + b * s_qb + qi.to(tl.int64) * s_qs
-        qT = tl.load(q_row + h[None, :] * s_qh + d[:, None] * s_qd, mask=(h[None, :] < H) & (d[:, None] < D), other=0.0)
-        if UPCAST:
-            qT = qT.to(tl.float32)
-        wv = tl.load(w_ptr + b * s_wb + qi.to(tl.int64) * s_ws + h * s_wh, mask=h < H, other=0.0)
-        k_seq = k_ptr + b * s_kb
-        n_lo = start // BK * BK
-        m_lo = tl.full([], _I32_MAX, tl.int32)  # the monos' range bounds the first level
-        m_hi = tl.full([], _I32_MIN, tl.int32)
-        for n0 in range(n_lo, end + 1, BK):
-            _, mono, vis = _rescored_keys(k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST)
-            m_lo = tl.minimum(m_lo, tl.min(tl.where(vis, mono, _I32_MAX)))
-            m_hi = tl.maximum(m_hi, tl.max(tl.where(vis, mono, _I32_MIN)))
-        lo = m_lo.to(tl.int64) << 32
-        hi = ((m_hi.to(tl.int64) + 1) << 32) - 1
-        tau = tl.full([], _I64_MIN, tl.int64)  # need = every visible key: keep them all
-        if need < n_vis:
-            above = tl.zeros([], tl.int32)
-            done = 0
-            while done == 0:  # _select_threshold with SLACK = 0, each level rescoring the window
-                s, base = _level_digits(lo, hi, LOG_NB)
-                hist = tl.zeros([1 << LOG_NB], tl.int32)
-                for n0 in range(n_lo, end + 1, BK):
-                    key, _, vis = _rescored_keys(
-                        k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST
-                    )
-                    hist += _bucket_counts(key, vis & (key >= lo) & (key <= hi), s, base, LOG_NB)
-                level_done, edge, above_next, hi_next = _level_pick(hist, above, need, 0, lo, hi, s, base, LOG_NB)
-                if level_done:
-                    tau = edge
-                    done = 1
-                else:
-                    above = above_next
-                    hi = hi_next
-                    lo = edge
-        row_ptr = buf_ptr + row * (SC * NS)
-        kept = tl.zeros([], tl.int32)
-        for n0 in range(n_lo, end + 1, BK):
-            key, _, vis = _rescored_keys(k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST)
-            keep = (vis & (key >= tau)).to(tl.int32)
-            _put_in_layout(row_ptr + kept + tl.cumsum(keep, 0) - keep, key, keep > 0, False, ASM_STORE)
-            kept += tl.sum(keep)
-        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
-        tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
-        tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
-        tl.store(th_ptr + row * 4 + 2, m_lo)
-        tl.store(th_ptr + row * 4 + 3, m_hi)
-        tl.atomic_add(stat_ptr, 1)
+    h = tl.arange(0, HR)
+    d = tl.arange(0, DP)
+    q_row = q_ptr + b * s_qb + qi.to(tl.int64) * s_qs
+    qT = tl.load(q_row + h[None, :] * s_qh + d[:, None] * s_qd, mask=(h[None, :] < H) & (d[:, None] < D), other=0.0)
+    if UPCAST:
+        qT = qT.to(tl.float32)
+    wv = tl.load(w_ptr + b * s_wb + qi.to(tl.int64) * s_ws + h * s_wh, mask=h < H, other=0.0)
+    k_seq = k_ptr + b * s_kb
+    n_lo = start // BK * BK
+    m_lo = tl.full([], _I32_MAX, tl.int32)  # the monos' range bounds the first level
+    m_hi = tl.full([], _I32_MIN, tl.int32)
+    for n0 in range(n_lo, end + 1, BK):
+        _, mono, vis = _rescored_keys(k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST)
+        m_lo = tl.minimum(m_lo, tl.min(tl.where(vis, mono, _I32_MAX)))
+        m_hi = tl.maximum(m_hi, tl.max(tl.where(vis, mono, _I32_MIN)))
+    lo = m_lo.to(tl.int64) << 32
+    hi = ((m_hi.to(tl.int64) + 1) << 32) - 1
+    tau = tl.full([], _I64_MIN, tl.int64)  # need = every visible key: keep them all
+    if need < n_vis:
+        above = tl.zeros([], tl.int32)
+        done = tl.zeros([], tl.int32)
+        while done == 0:  # _select_threshold with SLACK = 0, each level rescoring the window
+            s, base = _level_digits(lo, hi, LOG_NB)
+            hist = tl.zeros([1 << LOG_NB], tl.int32)
+            for n0 in range(n_lo, end + 1, BK):
+                key, _, vis = _rescored_keys(
+                    k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST
+                )
+                hist += _bucket_counts(key, vis & (key >= lo) & (key <= hi), s, base, LOG_NB)
+            done, lo, above, hi = _level_pick(hist, above, need, 0, lo, hi, s, base, LOG_NB)
+        tau = lo
+    row_ptr = buf_ptr + row * (SC * NS)
+    kept = tl.zeros([], tl.int32)
+    for n0 in range(n_lo, end + 1, BK):
+        key, _, vis = _rescored_keys(k_seq, qT, wv, n0, start, end, T, s_kt, s_kd, H, HR, D, DP, BK, RELU, IEEE, UPCAST)
+        keep = (vis & (key >= tau)).to(tl.int32)
+        _put_in_layout(row_ptr + kept + tl.cumsum(keep, 0) - keep, key, keep > 0, False, ASM_STORE)
+        kept += tl.sum(keep)
+    tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
+    tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
+    tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
+    tl.store(th_ptr + row * 4 + 2, m_lo)
+    tl.store(th_ptr + row * 4 + 3, m_hi)

@@ -82,3 +82,30 @@ def test_refines_after_the_estimate_bitwise():
 def test_bad_settings_are_rejected(kw, name):
     with pytest.raises(ValueError, match=name):
         HyTopKConfig(BQ=2, BN=16, **kw)
+
+
+def test_short_rows_listed_exactly():
+    """``hytopk_short_rows_kernel`` lists every row holding fewer keys than min(K, visible keys) and
+    no other, counts them in the chunk's count and the running statistic, over two batches and rows
+    of a chunk that starts past query 0 (``I0``)."""
+    from hyscale_hf.kernels.topk import triton_kernels
+
+    B, R, NS, S, T, I0, K = 2, 150, 8, 400, 400, 200, 64
+    gen = torch.Generator().manual_seed(0)
+    cnt = torch.randint(0, 12, (B, R, NS), generator=gen, dtype=torch.int32)
+    start = torch.randint(0, 300, (B, S), generator=gen, dtype=torch.int32)
+    held = cnt.sum(-1)
+    qi = I0 + torch.arange(R)
+    need = torch.minimum(torch.tensor(K), (T - S + qi - start[:, I0 : I0 + R] + 1).clamp_min(0))
+    expected = torch.nonzero((held < need).flatten()).flatten()
+    assert 0 < len(expected) < B * R  # both kinds of row occur
+    rows = torch.full((B * R,), -1, dtype=torch.int32, device=DEV)
+    n = torch.zeros(2, dtype=torch.int32, device=DEV)  # this chunk's count, then the next chunk's
+    stat = torch.full((1,), 5, dtype=torch.int64, device=DEV)
+    triton_kernels.hytopk_short_rows_kernel[(triton.cdiv(B * R, 64),)](
+        cnt.to(DEV), start.to(DEV), rows, n, stat, S, T, I0, R, K, B * R, *start.stride(), NS=NS, BR=64
+    )
+    assert n.tolist() == [len(expected), 0]
+    assert stat.item() == 5 + len(expected)
+    assert sorted(rows[: len(expected)].tolist()) == expected.tolist()
+    assert (rows[len(expected) :] == -1).all()
