@@ -534,7 +534,8 @@ def hytopk_short_rows_kernel(
     ok = rr < n_rows
     r = rr % R
     qi = I0 + r
-    held = tl.sum(tl.load(cnt_ptr + rr.to(tl.int64)[:, None] * NS + tl.arange(0, NS)[None, :], mask=ok[:, None], other=0), 1)
+    slots = cnt_ptr + rr.to(tl.int64)[:, None] * NS + tl.arange(0, NS)[None, :]
+    held = tl.sum(tl.load(slots, mask=ok[:, None], other=0), 1)
     start = tl.load(start_ptr + (rr // R) * s_sb + qi * s_ss, mask=ok, other=0)
     need = tl.minimum(K, tl.maximum(T - S + qi - start + 1, 0))
     short = (ok & (held < need)).to(tl.int32)
