@@ -267,6 +267,20 @@ def chunk_configs(T):
             (dataclasses.replace(base, lanes=1), None, equal(2 * rows))]
 
 
+def wide_configs(T):
+    """Small indexers under the threshold pre-pass: more query rows per scan program (each program
+    reads its rows' whole key window, so BQ rows share one read of the keys) with the smaller buffers
+    the pre-pass allows (a row appends about 1.6 x K keys) and the larger query chunks those buffers
+    fit: the default tiles, then (BQ, warps, buffer_k) at half or all of the sequence's rows a chunk."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    variants = [(8, 4, 4, 2), (8, 4, 4, 1), (16, 4, 4, 2), (16, 8, 4, 2), (32, 8, 4, 2), (16, 8, 2, 2), (32, 8, 2, 2),
+                (32, 8, 4, 4)]  # (BQ, num_warps, buffer_k, chunks a sequence)
+    return [(base, None, None)] + [
+        (dataclasses.replace(base, BQ=bq, num_warps=nw, buffer_k=bk), None, equal_chunk_rows(T, triton.cdiv(T, n), bq))
+        for bq, nw, bk, n in variants
+    ]
+
+
 def sweep_configs():
     cfg = HyTopKConfig
     hp = padded_heads(H)
@@ -345,6 +359,8 @@ def main():
                    help="the sweep times the default tiles without the threshold pre-pass and with other strides")
     p.add_argument("--sweep-chunks", action="store_true",
                    help="the sweep times the default tiles with larger query chunks (more scratch memory)")
+    p.add_argument("--sweep-wide", action="store_true",
+                   help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--sweep-lse", action="store_true",
                    help="the sweep's calls return indices and lse, as a training step's do (default: indices, scores)")
     a = p.parse_args()
@@ -354,9 +370,11 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
-        every_t = a.sweep_refine or a.sweep_presample  # these time every entry at every T
+        every_t = a.sweep_refine or a.sweep_presample or a.sweep_wide  # these time every entry at every T
         if a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
+        elif a.sweep_wide:
+            configs = wide_configs(a.sweep[0])
         elif a.sweep_presample:
             configs = presample_configs()
         else:
