@@ -13,6 +13,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072   # a small indexer's tiles
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072 --sweep-refine   # refine slacks
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-presample   # threshold pre-pass
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-wide   # wider programs, larger chunks
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
