@@ -115,12 +115,12 @@ class HyTopKConfig:
     # Threshold pre-pass (``presample_plan``): each row's threshold starts at an estimate of its K-th
     # score from every ``presample``-th key instead of at the smallest key, so the scan appends about
     # K + z * sqrt(K * presample) keys a row instead of filling and refining its buffer; 0 turns it off.
-    # H100, indices + lse, whole op, strides 0 / 8 / 16 / 32 in one run: 4 x 64 at 32K 9.28 / 8.39 /
-    # 10.40 / 8.22 ms, 32 x 128 at 128K 152.4 / 159.8 / 144.0 / 139.7 ms (`--sweep-presample`).
+    # H100, indices + lse, whole op, strides 0 / 8 / 16 / 32 in one run: 4 x 64 at 32K 9.37 / 7.97 /
+    # 7.89 / 8.15 ms, 32 x 128 at 128K 154.7 / 158.7 / 144.2 / 139.1 ms (`--sweep-presample`).
     # ``presample_z`` is the estimate's margin in standard deviations of the sample count: a row whose
-    # estimate still lies above its K-th key (none in those runs at z = 5, one or two a call at z = 4;
-    # most long rows at z = 0, which tests use) is rebuilt by ``hytopk_rescue_kernel``: exact, but one
-    # row's rescue took about 1.6 ms at 32K and 7 ms at 128K in those runs.
+    # estimate still lies above its K-th key (none in that run at z = 5; at z = 4 one a call at 32K and
+    # seven at 128K; most long rows at z = 0, which tests use) is rebuilt by ``hytopk_rescue_kernel``:
+    # exact, but slow: 1.7 ms of rescue kernel for the one row at 32K, 42.8 ms for the seven at 128K.
     presample: int = 32
     presample_z: float = 5.0
 
