@@ -87,7 +87,7 @@ def hytopk_scan_small_cases():
     for hp in (2, 4):
         for bq, warps, stages in [(8, 4, 2), (8, 8, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2)]:
             consts = dict(H=hp, HP=hp, D=64, DP=64, BQ=bq, BN=64, SC=256, SEG=74, RELU=True, CHECK_NAN=False,
-                          IEEE=False, UPCAST=False, SCORE_ONLY=False, TMA=True, ASM_STORE=True)
+                          IEEE=False, UPCAST=False, SCORE_ONLY=False, TMA=True, ASM_STORE=True, STOP_FULL=True)
             label = f"hytopk_scan_kernel H={hp} D=64 BQ={bq} stages={stages}"
             yield label, topk_kernels.hytopk_scan_kernel, pointers, consts, {"num_warps": warps, "num_stages": stages}
 

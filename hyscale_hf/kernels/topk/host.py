@@ -50,6 +50,8 @@ SCRATCH_BYTES = 1 << 30
 MAX_TRITON_TOPK = 4096
 # Scratch of the final per-row selection (bitmaps + word ranks of its persistent programs).
 FINALIZE_SCRATCH_BYTES = 128 << 20
+# The scan's SEG (key tiles per launch) when one launch covers whole windows (``one_launch``).
+WHOLE_WINDOW = 1 << 30
 # Rows per program of the pre-pass's short-row check (``hytopk_short_rows_kernel``).
 SHORT_ROWS_BLOCK = 128
 
@@ -408,6 +410,10 @@ def hytopk_triton(
     slack = max(0, int(((SC - seg) * BN - K) * cfg.refine_slack))
     OB = max(1, cfg.CH // BN)  # slot entries per step of the radix select / compaction
     KS, rank = (0, 0) if score_only else presample_plan(T, K, SC * BN, cfg.presample, cfg.presample_z)
+    # After the pre-pass no threshold needs to rise, so the Triton scan takes each chunk's whole windows
+    # in one launch with no refines between segments: fewer launches, and one tail per chunk instead of
+    # one per segment. A row that fills a slot anyway goes to the rescue (the scan's ``STOP_FULL``).
+    one_launch = bool(KS) and not use_gluon
     dev = q.device
     # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
     # cfg.lanes lanes (the current stream and side streams, each with its share of the scratch), so
@@ -494,7 +500,7 @@ def hytopk_triton(
                     H=H, HP=HP, D=D, DP=DP, BQ=BQ_TRITON, BN=BN, SC=SC, SEG=SC,
                     RELU=relu, CHECK_NAN=False, IEEE=q.dtype == torch.float32,
                     UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=False, TMA=use_tma,
-                    ASM_STORE=not interp, **launch,
+                    ASM_STORE=not interp, STOP_FULL=False, **launch,
                 )  # fmt: skip
                 _kernels.hytopk_refine_kernel[(rc, B)](
                     buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
@@ -503,7 +509,7 @@ def hytopk_triton(
             refine.zero_()
             if score_only:
                 dbg_rows.zero_()
-            for seg0 in range(0, n_tiles, seg):
+            for seg0 in range(0, n_tiles, max(1, n_tiles) if one_launch else seg):
                 # A slot gains at most one key per tile, so none can be fuller than SC - seg before
                 # seg0 > SC - seg tiles were scanned: no refine launch needed until then.
                 if not score_only and seg0 > SC - seg:
@@ -524,10 +530,10 @@ def hytopk_triton(
                         q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
                         S, T, i0, rc, seg0, SC - seg, 1, T,
                         *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-                        H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=seg,
+                        H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=WHOLE_WINDOW if one_launch else seg,
                         RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
                         UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
-                        ASM_STORE=not interp,
+                        ASM_STORE=not interp, STOP_FULL=one_launch,
                         **launch,
                     )  # fmt: skip
             if KS:  # rows whose estimate lay above their K-th key (rare): listed, then rebuilt from their keys

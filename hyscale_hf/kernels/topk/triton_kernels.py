@@ -30,9 +30,10 @@ it needs no min/max pass over the buffer) crosses launches through small global 
 Threshold pre-pass (``host.presample_plan``): before the first segment, the scan runs once over every
 KS-th key into the empty buffers and a refine (``PRESAMPLE``: K = r, no slack) sets each row's tau to
 its r-th sample and empties the buffer, so rows start near their K-th key instead of filling and
-refining their buffers. After the scan, ``hytopk_short_rows_kernel`` lists any row that ended with
-fewer keys than its top K (its estimate lay above its K-th key) and ``hytopk_rescue_kernel`` rebuilds
-each listed row exactly.
+refining their buffers, and (Triton scan) one scan launch per chunk takes whole windows with no
+refines (``STOP_FULL``). After the scan, ``hytopk_short_rows_kernel`` lists any row that ended with
+fewer keys than its top K (its estimate lay above its K-th key, or a full slot emptied it) and
+``hytopk_rescue_kernel`` rebuilds each listed row exactly.
 
 ``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
 index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf padded.
@@ -233,7 +234,7 @@ def hytopk_scan_kernel(
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
     RELU: tl.constexpr, CHECK_NAN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SCORE_ONLY: tl.constexpr, TMA: tl.constexpr, ASM_STORE: tl.constexpr,
+    SCORE_ONLY: tl.constexpr, TMA: tl.constexpr, ASM_STORE: tl.constexpr, STOP_FULL: tl.constexpr,
 ):  # fmt: skip
     """Scores tiles ``[SEG0, SEG0 + SEG)`` of the key windows of BQ query rows (queries I0 + [0, R)
     of batch program_id(1)) and appends every key >= the row's threshold ``th[b, r]`` to the row's
@@ -242,7 +243,12 @@ def hytopk_scan_kernel(
 
     ``KS`` > 1 scores a sample instead (the threshold pre-pass, ``host``): the NK keys behind k are
     every KS-th key of the sequence, key j standing at position j * KS, and a row sees the samples
-    inside its window; stored indices are sample numbers. ``KS`` = 1 and NK = T is the plain scan."""
+    inside its window; stored indices are sample numbers. ``KS`` = 1 and NK = T is the plain scan.
+
+    ``STOP_FULL``: the launch covers whole windows with no refine to make room (after the pre-pass,
+    whose thresholds need not rise). A full slot takes no more keys, and its row leaves with an empty
+    buffer (fill counts 0), so ``hytopk_short_rows_kernel`` lists it and the rescue rebuilds it from
+    its keys: exact, and no key is dropped unseen."""
     b = tl.program_id(1)
     n_blocks = tl.cdiv(R, BQ)
     blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
@@ -358,12 +364,17 @@ def hytopk_scan_kernel(
             n_idx = offs_n[:, None]
             above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
             keep = vis & above
+            if STOP_FULL:
+                keep = keep & (fill < SC)
             key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
             _put_in_layout(buf_rows[None, :] + fill * BN + jj[:, None], key, keep, False, ASM_STORE)
             fill += keep.to(tl.int32)
             mono_lo = tl.minimum(mono_lo, mono)
             mono_hi = tl.maximum(mono_hi, mono)
 
+    if STOP_FULL:  # a full slot may have turned keys away: the row goes to the rescue (fill 0 lists it)
+        full = tl.max((fill >= SC).to(tl.int32), axis=0)
+        fill = tl.where(full[None, :] > 0, 0, fill)
     tl.store(cnt_at, fill, mask=row_on[None, :])
     if not SCORE_ONLY:
         rng = th_ptr + row_base * 4 + 2
@@ -524,7 +535,8 @@ def hytopk_short_rows_kernel(
     NS: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """Lists the rows (of the chunk's n_rows = B * R) whose buffer holds fewer keys than their top K,
-    i.e. whose threshold pre-pass estimate lay above their K-th key: their numbers go to
+    i.e. whose threshold pre-pass estimate lay above their K-th key, or which filled a slot (the scan's
+    ``STOP_FULL`` empties them): their numbers go to
     ``rows_ptr[0:n]``, n to ``n_ptr`` (zero before the launch) and to ``stat_ptr`` (a running count).
 
     A small kernel of its own so that the rescue, which holds many registers, only starts programs
@@ -557,7 +569,7 @@ def hytopk_rescue_kernel(
 ):  # fmt: skip
     """Completes every row that ``hytopk_short_rows_kernel`` listed (``rows_ptr[0:n_ptr[0]]``): its
     buffer holds fewer keys than its top K because the threshold pre-pass's estimate lay above the
-    row's K-th key (``host``: rare by design).
+    row's K-th key, or because its keys above the estimate filled a slot (``host``: both rare by design).
 
     Such a row's buffer holds only keys above its true K-th key, so it is rebuilt from the keys
     themselves: a radix select whose every level rescores the row's window (no buffer can hold it),
