@@ -81,14 +81,16 @@ def tiled_kl_cases():
 
 def hytopk_scan_small_cases():
     """HyTopK's Triton scan for small indexers (2 x 64, 4 x 64) at the rows per program, warps and
-    stages ``bench_hytopk.py``'s small-indexer sweep times (keys through TMA, a 16K-key buffer)."""
+    stages ``bench_hytopk.py``'s small-indexer sweep times (keys through TMA, a 16K-key buffer), as the
+    one-launch scan after the pre-pass runs it (its first pass, and the second chance at the default tiles)."""
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", k_desc="tensordesc<bf16[1,64,64]>", w_ptr="*fp32",
-                    start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", nan_ptr="*i32", dbg_ptr="*fp32")
+                    start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", nan_ptr="*i32", dbg_ptr="*fp32",
+                    redo_ptr="*i32")
     for hp in (2, 4):
-        for bq, warps, stages in [(8, 4, 2), (8, 8, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2)]:
-            consts = dict(H=hp, HP=hp, D=64, DP=64, BQ=bq, BN=64, SC=256, SEG=74, RELU=True, CHECK_NAN=False,
-                          IEEE=False, UPCAST=False, SCORE_ONLY=False, TMA=True, ASM_STORE=True, STOP_FULL=True)
-            label = f"hytopk_scan_kernel H={hp} D=64 BQ={bq} stages={stages}"
+        for bq, warps, stages, stop in [(8, 4, 2, 1), (8, 4, 2, 2), (8, 8, 2, 1), (16, 4, 2, 1), (16, 8, 2, 1), (32, 8, 2, 1)]:
+            consts = dict(H=hp, HP=hp, D=64, DP=64, BQ=bq, BN=64, SC=256, SEG=1 << 30, RELU=True, CHECK_NAN=False,
+                          IEEE=False, UPCAST=False, SCORE_ONLY=False, TMA=True, ASM_STORE=True, STOP_FULL=stop)
+            label = f"hytopk_scan_kernel H={hp} D=64 BQ={bq} stages={stages} STOP_FULL={stop}"
             yield label, topk_kernels.hytopk_scan_kernel, pointers, consts, {"num_warps": warps, "num_stages": stages}
 
 
@@ -98,9 +100,9 @@ def hytopk_rescue_cases():
     (``hytopk_rescue_kernel``), at a small indexer's shape and at the DSA indexer's (32 x 128)."""
     sel = dict(NS=64, SC=256, OB=16, LOG_NB=7, ASM_STORE=True)  # OB = CH // BN, as the host launches it
     refine_ptrs = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", refine_ptr="*i32")
-    for presample in (True, False):
-        yield (f"hytopk_refine_kernel PRESAMPLE={presample}", topk_kernels.hytopk_refine_kernel, refine_ptrs,
-               dict(sel, PRESAMPLE=presample), {"num_warps": 4})  # fmt: skip
+    for presample, redo in [(True, False), (False, True), (False, False)]:
+        yield (f"hytopk_refine_kernel PRESAMPLE={presample} REDO={redo}", topk_kernels.hytopk_refine_kernel, refine_ptrs,
+               dict(sel, PRESAMPLE=presample, REDO=redo), {"num_warps": 4})  # fmt: skip
     yield ("hytopk_short_rows_kernel", topk_kernels.hytopk_short_rows_kernel,
            dict(cnt_ptr="*i32", start_ptr="*i32", rows_ptr="*i32", n_ptr="*i32", stat_ptr="*i64"),
            dict(NS=64, BR=128), {"num_warps": 4})  # fmt: skip

@@ -64,8 +64,10 @@ def hytopk_stats() -> dict:
 
     ``rows``: query rows processed; ``rows_refined``: rows whose candidate buffer filled up and was
     refined in place (a new exact threshold from a radix select over the buffer, then compaction:
-    repaired, never truncated); ``refines``: total refinements; ``rows_rescued``: rows whose threshold
-    pre-pass estimate lay above their K-th key, completed by rescoring their keys (exact, slower).
+    repaired, never truncated), or, after the pre-pass, rescanned from the K-th key it held (the
+    one-launch scan's second chance); ``refines``: total refinements; ``rows_rescued``: rows whose
+    threshold pre-pass estimate lay above their K-th key, or that filled a slot in both one-launch
+    passes, completed by rescoring their keys (exact, slower).
     """
     refined, refines, rescued = (sum(int(t[i]) for t in _STATS_DEVICE.values()) for i in range(3))
     return {
@@ -412,7 +414,9 @@ def hytopk_triton(
     KS, rank = (0, 0) if score_only else presample_plan(T, K, SC * BN, cfg.presample, cfg.presample_z)
     # After the pre-pass no threshold needs to rise, so the Triton scan takes each chunk's whole windows
     # in one launch with no refines between segments: fewer launches, and one tail per chunk instead of
-    # one per segment. A row that fills a slot anyway goes to the rescue (the scan's ``STOP_FULL``).
+    # one per segment. A row that fills a slot anyway (ties at a ReLU zero can put most of a window
+    # above the estimate) gets a second launch from the K-th key it holds, then the rescue if it fills
+    # a slot again (the scan's ``STOP_FULL``). Its refine count (statistics) is that second chance.
     one_launch = bool(KS) and not use_gluon
     dev = q.device
     # Query chunks of at most R rows share the candidate scratch. On a GPU the chunks take turns over
@@ -494,7 +498,7 @@ def hytopk_triton(
                 # sets each row's tau to its rank-th sample, every key of that score passing, and empties the
                 # buffers and stored ranges again.
                 _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ_TRITON), B)](
-                    q, k_s, ks_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
+                    q, k_s, ks_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine,
                     S, T, i0, rc, 0, 0, KS, k_s.shape[1],
                     *q.stride(), *k_s.stride(), *w.stride(), *start.stride(),
                     H=H, HP=HP, D=D, DP=DP, BQ=BQ_TRITON, BN=BN, SC=SC, SEG=SC,
@@ -504,7 +508,7 @@ def hytopk_triton(
                 )  # fmt: skip
                 _kernels.hytopk_refine_kernel[(rc, B)](
                     buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                    ASM_STORE=not interp, PRESAMPLE=True, **small,
+                    ASM_STORE=not interp, PRESAMPLE=True, REDO=False, **small,
                 )  # fmt: skip
             refine.zero_()
             if score_only:
@@ -515,7 +519,7 @@ def hytopk_triton(
                 if not score_only and seg0 > SC - seg:
                     _kernels.hytopk_refine_kernel[(rc, B)](
                         buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                        ASM_STORE=not interp, PRESAMPLE=False, **small,
+                        ASM_STORE=not interp, PRESAMPLE=False, REDO=False, **small,
                     )  # fmt: skip
                 if use_gluon:
                     scan_gluon.hytopk_scan_ws_kernel[(triton.cdiv(rc, PR), B)](
@@ -526,16 +530,24 @@ def hytopk_triton(
                         RELU=relu, CHECK_NAN=check_nan, SCORE_ONLY=score_only, num_warps=4,
                     )  # fmt: skip
                 else:
-                    _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
-                        q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows,
-                        S, T, i0, rc, seg0, SC - seg, 1, T,
-                        *q.stride(), *k.stride(), *w.stride(), *start.stride(),
-                        H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=WHOLE_WINDOW if one_launch else seg,
-                        RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
-                        UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
-                        ASM_STORE=not interp, STOP_FULL=one_launch,
-                        **launch,
-                    )  # fmt: skip
+                    # one launch: a first pass flags rows that fill a slot, the refine raises their
+                    # threshold to the K-th key they hold and empties them, a second pass rescans them
+                    for stop_full in (1, 2) if one_launch else (0,):
+                        if stop_full == 2:
+                            _kernels.hytopk_refine_kernel[(rc, B)](
+                                buf, cnt, th, refine, rc, K, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
+                                ASM_STORE=not interp, PRESAMPLE=False, REDO=True, **small,
+                            )  # fmt: skip
+                        _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
+                            q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine,
+                            S, T, i0, rc, seg0, SC - seg, 1, T,
+                            *q.stride(), *k.stride(), *w.stride(), *start.stride(),
+                            H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=WHOLE_WINDOW if one_launch else seg,
+                            RELU=relu, CHECK_NAN=check_nan, IEEE=q.dtype == torch.float32,
+                            UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=score_only, TMA=use_tma,
+                            ASM_STORE=not interp, STOP_FULL=stop_full,
+                            **launch,
+                        )  # fmt: skip
             if KS:  # rows whose estimate lay above their K-th key (rare): listed, then rebuilt from their keys
                 _kernels.hytopk_short_rows_kernel[(triton.cdiv(B * rc, SHORT_ROWS_BLOCK),)](
                     cnt, start, ls.short_rows, n_short[c:], ls.stats[2:], S, T, i0, rc, K, B * rc, *start.stride(),

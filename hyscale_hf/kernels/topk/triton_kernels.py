@@ -31,8 +31,9 @@ Threshold pre-pass (``host.presample_plan``): before the first segment, the scan
 KS-th key into the empty buffers and a refine (``PRESAMPLE``: K = r, no slack) sets each row's tau to
 its r-th sample and empties the buffer, so rows start near their K-th key instead of filling and
 refining their buffers, and (Triton scan) one scan launch per chunk takes whole windows with no
-refines (``STOP_FULL``). After the scan, ``hytopk_short_rows_kernel`` lists any row that ended with
-fewer keys than its top K (its estimate lay above its K-th key, or a full slot emptied it) and
+refines (``STOP_FULL``); rows that fill a slot get a second launch from a higher threshold. After
+the scan, ``hytopk_short_rows_kernel`` lists any row that ended with fewer keys than its top K (its
+estimate lay above its K-th key, or a full slot emptied it in the second launch) and
 ``hytopk_rescue_kernel`` rebuilds each listed row exactly.
 
 ``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
@@ -228,7 +229,7 @@ def _balanced_slots(n, NS: tl.constexpr):
 
 @triton.jit
 def hytopk_scan_kernel(
-    q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr,
+    q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr, redo_ptr,
     S, T, I0, R, SEG0, LOCAL_TILES, KS, NK,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -245,10 +246,12 @@ def hytopk_scan_kernel(
     every KS-th key of the sequence, key j standing at position j * KS, and a row sees the samples
     inside its window; stored indices are sample numbers. ``KS`` = 1 and NK = T is the plain scan.
 
-    ``STOP_FULL``: the launch covers whole windows with no refine to make room (after the pre-pass,
-    whose thresholds need not rise). A full slot takes no more keys, and its row leaves with an empty
-    buffer (fill counts 0), so ``hytopk_short_rows_kernel`` lists it and the rescue rebuilds it from
-    its keys: exact, and no key is dropped unseen."""
+    ``STOP_FULL`` > 0: the launch covers whole windows with no refine to make room (after the
+    pre-pass, whose thresholds need not rise), and a full slot takes no more keys. 1: a row that
+    filled a slot is flagged in ``redo[b, r]`` for a second chance (the host raises its threshold to
+    the K-th key it holds, a lower bound of its true K-th key, and empties it). 2: only flagged rows
+    scan, and one that fills a slot again leaves with an empty buffer (fill counts 0), so
+    ``hytopk_short_rows_kernel`` lists it and the rescue rebuilds it: exact, no key dropped unseen."""
     b = tl.program_id(1)
     n_blocks = tl.cdiv(R, BQ)
     blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
@@ -269,6 +272,9 @@ def hytopk_scan_kernel(
     # busy: this block's windows reach tile SEG0 (else only masked ops run). Compared as a block,
     # not a scalar: the interpreter turns scalar-bool & block-bool into an int mask.
     row_on = row_ok & ((rq * 0 + n_tiles) > SEG0)
+    if STOP_FULL == 2:  # the second chance: only the rows the first pass flagged (none: no tiles)
+        row_on = row_on & (tl.load(redo_ptr + b * R + r_loc, mask=row_ok, other=0) > 0)
+        n_tiles = tl.where(tl.max(row_on.to(tl.int32)) > 0, n_tiles, 0)
 
     # The block's queries, transposed: N = BQ * HP columns of (query, head). On Hopper a thread of
     # the wgmma accumulator holds every 8-column group's column pair 2 * (lane % 4) + {0, 1}. With
@@ -364,17 +370,22 @@ def hytopk_scan_kernel(
             n_idx = offs_n[:, None]
             above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
             keep = vis & above
-            if STOP_FULL:
+            if STOP_FULL > 0:
                 keep = keep & (fill < SC)
+            if STOP_FULL == 2:
+                keep = keep & row_on[None, :]
             key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
             _put_in_layout(buf_rows[None, :] + fill * BN + jj[:, None], key, keep, False, ASM_STORE)
             fill += keep.to(tl.int32)
             mono_lo = tl.minimum(mono_lo, mono)
             mono_hi = tl.maximum(mono_hi, mono)
 
-    if STOP_FULL:  # a full slot may have turned keys away: the row goes to the rescue (fill 0 lists it)
+    if STOP_FULL > 0:  # a full slot may have turned keys away
         full = tl.max((fill >= SC).to(tl.int32), axis=0)
-        fill = tl.where(full[None, :] > 0, 0, fill)
+        if STOP_FULL == 1:  # a second chance
+            tl.store(redo_ptr + b * R + r_loc, full, mask=row_on & (full > 0))
+        else:  # the rescue (fill 0 lists the row)
+            fill = tl.where(full[None, :] > 0, 0, fill)
     tl.store(cnt_at, fill, mask=row_on[None, :])
     if not SCORE_ONLY:
         rng = th_ptr + row_base * 4 + 2
@@ -391,7 +402,7 @@ def hytopk_scan_kernel(
 def hytopk_refine_kernel(
     buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, ASM_STORE: tl.constexpr,
-    PRESAMPLE: tl.constexpr,
+    PRESAMPLE: tl.constexpr, REDO: tl.constexpr,
 ):  # fmt: skip
     """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
     threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
@@ -400,7 +411,12 @@ def hytopk_refine_kernel(
     ``PRESAMPLE``: the threshold pre-pass's refine (SLACK = 0, every row): tau becomes the row's K-th
     sample key (or stays the smallest key with K samples or fewer) with every key of its score passing
     (tau index = max), and the buffer and stored range start empty, as the main scan expects: the
-    samples themselves are not kept, so nothing is compacted."""
+    samples themselves are not kept, so nothing is compacted.
+
+    ``REDO``: the second chance of rows the one-launch scan flagged full (``refine[b, r]`` > 0, set by
+    ``hytopk_scan_kernel`` with STOP_FULL = 1; other rows return at once): tau rises to the K-th key the
+    row holds (keys of a part of its window, so no larger than its true K-th key; with K keys or fewer
+    it stays), and the buffer and stored range start empty for the rescan."""
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     row_ptr = buf_ptr + row * (SC * NS)
@@ -411,6 +427,15 @@ def hytopk_refine_kernel(
         tl.store(th_ptr + row * 4 + 2, _I32_MAX)  # stored range: empty
         tl.store(th_ptr + row * 4 + 3, _I32_MIN)
         tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
+    elif REDO:
+        if tl.load(refine_ptr + row) > 0:
+            if tl.sum(slots) > K:
+                tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)
+                tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
+                tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
+            tl.store(th_ptr + row * 4 + 2, _I32_MAX)
+            tl.store(th_ptr + row * 4 + 3, _I32_MIN)
+            tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
     elif tl.max(slots) > LIMIT:
         tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
         kept = _compact(row_ptr, slots, tau, NS, OB, ASM_STORE)
@@ -535,8 +560,8 @@ def hytopk_short_rows_kernel(
     NS: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """Lists the rows (of the chunk's n_rows = B * R) whose buffer holds fewer keys than their top K,
-    i.e. whose threshold pre-pass estimate lay above their K-th key, or which filled a slot (the scan's
-    ``STOP_FULL`` empties them): their numbers go to
+    i.e. whose threshold pre-pass estimate lay above their K-th key, or which filled a slot twice (the
+    scan's ``STOP_FULL`` = 2 empties them): their numbers go to
     ``rows_ptr[0:n]``, n to ``n_ptr`` (zero before the launch) and to ``stat_ptr`` (a running count).
 
     A small kernel of its own so that the rescue, which holds many registers, only starts programs
@@ -569,7 +594,7 @@ def hytopk_rescue_kernel(
 ):  # fmt: skip
     """Completes every row that ``hytopk_short_rows_kernel`` listed (``rows_ptr[0:n_ptr[0]]``): its
     buffer holds fewer keys than its top K because the threshold pre-pass's estimate lay above the
-    row's K-th key, or because its keys above the estimate filled a slot (``host``: both rare by design).
+    row's K-th key, or because its keys filled a slot in both one-launch scans (``host``: both rare by design).
 
     Such a row's buffer holds only keys above its true K-th key, so it is rebuilt from the keys
     themselves: a radix select whose every level rescores the row's window (no buffer can hold it),

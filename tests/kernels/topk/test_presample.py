@@ -1,8 +1,8 @@
 """HyTopK's threshold pre-pass (``HyTopKConfig.presample``) and the rescue of rows it overshoots.
 
 The pre-pass starts each row's threshold at the r-th largest of every KS-th key's score; a row where
-fewer than K keys reach it, or whose keys above it fill a slot of its buffer, is rebuilt by
-``hytopk_rescue_kernel``. A negative or zero margin
+fewer than K keys reach it, or whose keys above it fill a slot of its buffer twice (the second time
+from a threshold raised to the K-th key it held), is rebuilt by ``hytopk_rescue_kernel``. A negative or zero margin
 (``presample_z``) makes that common, so these tests reach the rescue on purpose. Everything is
 compared bit for bit with the torch reference on integer inputs (interpreter on CPU).
 """
@@ -70,13 +70,14 @@ def test_windows_packed_sequences_relu_off_and_nan_rescued_bitwise():
     assert rescued > 0
 
 
-def test_full_slots_rescued_bitwise():
+def test_full_slots_second_chance_and_rescue_bitwise():
     """A buffer of 64 keys a row (4 per slot) against about r * KS = 46 keys above the estimate: after
-    the pre-pass one scan launch takes each row's whole window with no refine between segments, so
-    rows that fill a slot stop appending, leave empty and are rebuilt by the rescue, exactly."""
+    the pre-pass one scan launch takes each row's whole window with no refine between segments; rows
+    that fill a slot get a second launch from the K-th key they hold (counted as refined), and rows
+    that fill a slot again are rebuilt by the rescue. Exact either way."""
     q, k, w = int_inputs(2, 96, 96, 4, 16, device=DEV, seed=7)
     st = run(q, k, w, 16, config(presample_z=5.0), cap=64)
-    assert st["rows_refined"] == 0 and st["rows_rescued"] > 0, st
+    assert st["rows_refined"] > 0 and st["rows_rescued"] > 0, st
 
 
 @pytest.mark.parametrize("kw,name", [({"presample": 1}, "presample"), ({"presample": -2}, "presample"),
