@@ -504,7 +504,7 @@ def hytopk_triton(
                     H=H, HP=HP, D=D, DP=DP, BQ=BQ_TRITON, BN=BN, SC=SC, SEG=SC,
                     RELU=relu, CHECK_NAN=False, IEEE=q.dtype == torch.float32,
                     UPCAST=interp and q.dtype != torch.float32, SCORE_ONLY=False, TMA=use_tma,
-                    ASM_STORE=not interp, STOP_FULL=False, **launch,
+                    ASM_STORE=not interp, STOP_FULL=0, **launch,
                 )  # fmt: skip
                 _kernels.hytopk_refine_kernel[(rc, B)](
                     buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
