@@ -268,6 +268,16 @@ def chunk_configs(T):
             (dataclasses.replace(base, lanes=1), None, equal(2 * rows))]
 
 
+def finalize_configs():
+    """The default tiles with the final selection's bucket copy (``HyTopKConfig.finalize_copy``, the
+    default) and without it (every radix level over the row's buffer), twice each: an A/B in one run."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    if not hasattr(base, "finalize_copy"):  # a package from before the copy (an A/B's old tree): its default
+        return [(base, None), (base, None)]
+    off = dataclasses.replace(base, finalize_copy=False)
+    return [(off, None), (base, None), (off, None), (base, None)]
+
+
 def wide_configs(T):
     """Small indexers under the threshold pre-pass: more query rows per scan program (each program
     reads its rows' whole key window, so BQ rows share one read of the keys) with the smaller buffers
@@ -360,6 +370,8 @@ def main():
                    help="the sweep times the default tiles without the threshold pre-pass and with other strides")
     p.add_argument("--sweep-chunks", action="store_true",
                    help="the sweep times the default tiles with larger query chunks (more scratch memory)")
+    p.add_argument("--sweep-finalize", action="store_true",
+                   help="the sweep times the default tiles with and without the final selection's bucket copy")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--sweep-lse", action="store_true",
@@ -371,9 +383,11 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
-        every_t = a.sweep_refine or a.sweep_presample or a.sweep_wide  # these time every entry at every T
+        every_t = a.sweep_refine or a.sweep_presample or a.sweep_wide or a.sweep_finalize  # these time every entry at every T
         if a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
+        elif a.sweep_finalize:
+            configs = finalize_configs()
         elif a.sweep_wide:
             configs = wide_configs(a.sweep[0])
         elif a.sweep_presample:
