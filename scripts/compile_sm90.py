@@ -128,8 +128,19 @@ def tile_head_probs_cases():
             yield label, tile_head_probs.tile_head_probs_kernel, pointers, consts, {"num_warps": warps, "num_stages": 2}
 
 
+def hytopk_finalize_cases():
+    """HyTopK's final selection (``hytopk_finalize_kernel``) as a training step calls it (indices + lse)
+    and with scores, at the default radix digit and the small indexers' 4 finalize warps."""
+    pointers = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", bm_ptr="*i32", rw_ptr="*i64", idx_ptr="*i32",
+                    score_ptr="*fp32", lse_ptr="*fp32")
+    for scores, lse in [(False, True), (True, False)]:
+        consts = dict(NS=64, SC=256, OB=16, LOG_NB=7, BLOCK_W=1024, WRITE_SCORES=scores, WRITE_LSE=lse, ASM_STORE=True)
+        yield (f"hytopk_finalize_kernel scores={scores} lse={lse}", topk_kernels.hytopk_finalize_kernel, pointers,
+               consts, {"num_warps": 4})  # fmt: skip
+
+
 PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_cases,
-           "hytopk_rescue": hytopk_rescue_cases, "tile_head_probs": tile_head_probs_cases}
+           "hytopk_rescue": hytopk_rescue_cases, "hytopk_finalize": hytopk_finalize_cases, "tile_head_probs": tile_head_probs_cases}
 
 
 def main() -> int:

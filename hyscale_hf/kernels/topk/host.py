@@ -127,6 +127,10 @@ class HyTopKConfig:
     # exact, but slow: 1.7 ms of rescue kernel for the one row at 32K, 42.8 ms for the seven at 128K.
     presample: int = 32
     presample_z: float = 5.0
+    # The final selection copies the keys of the radix bucket that holds a row's K-th key (usually a few
+    # dozen) to its scratch after the first level and runs the later levels over them, not the buffer
+    # (``triton_kernels._exact_threshold``); False keeps every level on the buffer (the A/B baseline).
+    finalize_copy: bool = True
 
     def __post_init__(self):
         # fewer than 8 buckets can leave a narrow range in one bucket: the select would not progress
@@ -566,6 +570,7 @@ def hytopk_triton(
                 continue
             fin = _kernels.hytopk_finalize_kernel[(min(B * rc, n_fin),)](
                 buf, cnt, th, ls.fin_bitmap, ls.fin_words, indices, scores, lse, i0, rc, S, K, K, B * rc, n_words,
+                n_words if cfg.finalize_copy else 0,
                 indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
                 NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=block_w,
                 WRITE_SCORES=return_scores, WRITE_LSE=return_lse, ASM_STORE=not interp,

@@ -36,8 +36,10 @@ the scan, ``hytopk_short_rows_kernel`` lists any row that ended with fewer keys 
 estimate lay above its K-th key, or a full slot emptied it in the second launch) and
 ``hytopk_rescue_kernel`` rebuilds each listed row exactly.
 
-``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0); the K keys >= it go out in
-index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf padded.
+``hytopk_finalize_kernel``: per row, the exact K-th key (SLACK = 0; after the first radix level over
+the buffer, the later levels run over a copy of the one bucket that holds it); the K keys >= it go out
+in index order through a bitmap of their indices (no sort): int32 indices (+ fp32 scores), -1 / -inf
+padded.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..triton_math import lse_step, lse_value
 _I32_MIN = tl.constexpr(-(2**31))
 _I32_MAX = tl.constexpr(2**31 - 1)
 _I64_MIN = tl.constexpr(-(2**63))
+_I64_MAX = tl.constexpr(2**63 - 1)
 _NAN_MONO = tl.constexpr(-(2**31) + 1)  # naive.NAN_KEY: below -inf, above masked keys
 
 
@@ -117,25 +120,33 @@ def _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB: tl.constexpr):
 
 
 @triton.jit
-def _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
-    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``sum(slots) > K`` unique keys of a
-    row, all inside [lo, hi] (``_key_bounds``).
+def _level_hist(row_ptr, slots, lo, hi, s, base, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
+    """One radix level's histogram of a row's keys inside [lo, hi] (``_level_digits``' s and base)."""
+    hist = tl.zeros([1 << LOG_NB], tl.int32)
+    for ob in range(0, tl.max(slots), OB):
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        inside = m & (x >= lo) & (x <= hi)
+        hist += _bucket_counts(tl.reshape(x, [OB * NS]), tl.reshape(inside, [OB * NS]), s, base, LOG_NB)
+    return hist
+
+
+@triton.jit
+def _select_threshold(
+    row_ptr, slots, K, SLACK, lo, hi, above, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr
+):  # fmt: skip
+    """Key ``tau`` with ``K <= #{x >= tau} <= K + SLACK`` among the ``above`` keys > hi and the keys of
+    a row inside [lo, hi] (``_key_bounds``), which together number more than K.
 
     Radix select that adapts its digit to the live range: each level histograms the keys inside
     [lo, hi] into <= 2**LOG_NB buckets of width 2**s (s the smallest shift that fits the range),
     keeps the bucket holding the K-th largest key and stops as soon as its lower edge is tight
     enough. With SLACK = 0 the result is the exact K-th largest key.
     """
-    depth = tl.max(slots)
-    above = tl.zeros([], tl.int32)  # keys > hi
     done = tl.zeros([], tl.int32)
+    above += tl.zeros([], tl.int32)  # a loop-carried tensor even when the caller passes a literal 0
     while done == 0:
         s, base = _level_digits(lo, hi, LOG_NB)
-        hist = tl.zeros([1 << LOG_NB], tl.int32)
-        for ob in range(0, depth, OB):
-            x, m = _load_slots(row_ptr, slots, ob, NS, OB)
-            inside = m & (x >= lo) & (x <= hi)
-            hist += _bucket_counts(tl.reshape(x, [OB * NS]), tl.reshape(inside, [OB * NS]), s, base, LOG_NB)
+        hist = _level_hist(row_ptr, slots, lo, hi, s, base, NS, OB, LOG_NB)
         done, lo, above, hi = _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB)
     return lo
 
@@ -178,20 +189,21 @@ def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, slots, tau, NS: tl.constexpr, OB: tl.constexpr, ASM: tl.constexpr):
-    """Move a row's keys >= tau to the front (``row_ptr[0:kept]``), in place; returns ``kept``.
+def _compact(row_ptr, slots, lo, hi, dst_ptr, NS: tl.constexpr, OB: tl.constexpr, ASM: tl.constexpr):
+    """Copy a row's keys inside [lo, hi] to ``dst_ptr[0:n]`` (in place when ``dst_ptr`` is ``row_ptr``);
+    returns n.
 
-    Entries are visited in address order and each goes to an address <= its own, so a block is
-    read by every thread before any thread overwrites part of it (the barrier), and never later.
+    Entries are visited in address order and each goes to an address <= its own, so in place a block
+    is read by every thread before any thread overwrites part of it (the barrier), and never later.
     """
     depth = tl.max(slots)
     kept = tl.zeros([], tl.int32)
     for ob in range(0, depth, OB):
         x, m = _load_slots(row_ptr, slots, ob, NS, OB)
-        keep = tl.reshape((m & (x >= tau)).to(tl.int32), [OB * NS])
+        keep = tl.reshape((m & (x >= lo) & (x <= hi)).to(tl.int32), [OB * NS])
         pos = kept + tl.cumsum(keep, 0) - keep
         tl.debug_barrier()
-        _put_in_layout(row_ptr + pos, tl.reshape(x, [OB * NS]), keep > 0, False, ASM)
+        _put_in_layout(dst_ptr + pos, tl.reshape(x, [OB * NS]), keep > 0, False, ASM)
         kept += tl.sum(keep)
     tl.debug_barrier()
     return kept
@@ -204,7 +216,36 @@ def _row_threshold(row_ptr, th_row, slots, K, SLACK, NS: tl.constexpr, OB: tl.co
     tau = tl.full([], _I64_MIN, tl.int64)
     if tl.sum(slots) > K:
         lo, hi = _key_bounds(th_row)
-        tau = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, NS, OB, LOG_NB)
+        tau = _select_threshold(row_ptr, slots, K, SLACK, lo, hi, 0, NS, OB, LOG_NB)
+    return tau
+
+
+@triton.jit
+def _exact_threshold(
+    row_ptr, th_row, slots, K, cand_ptr, CAND, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """``_row_threshold`` with SLACK = 0 (the exact K-th key, or the smallest key when the buffer holds
+    K or fewer), reading the buffer fewer times: after the first level only the keys of the bucket
+    that holds the K-th key matter, usually a few dozen of the buffer's thousands, so they are copied
+    to ``cand_ptr`` (this program's scratch of CAND keys) and the later levels histogram those alone.
+    Each level over the buffer is a full read plus a histogram (the select's costly step); the copy is
+    one read. A bucket larger than CAND keeps its levels on the buffer."""
+    tau = tl.full([], _I64_MIN, tl.int64)
+    if tl.sum(slots) > K:
+        lo, hi = _key_bounds(th_row)
+        s, base = _level_digits(lo, hi, LOG_NB)
+        hist = _level_hist(row_ptr, slots, lo, hi, s, base, NS, OB, LOG_NB)
+        done, lo, above, hi = _level_pick(hist, 0, K, 0, lo, hi, s, base, LOG_NB)
+        tau = lo
+        if done == 0:
+            n_b = tl.sum(tl.where(tl.arange(0, 1 << LOG_NB) == (lo >> s) - base, hist, 0))  # keys in [lo, hi]
+            src = row_ptr
+            if n_b <= CAND:
+                n_b = _compact(row_ptr, slots, lo, hi, cand_ptr, NS, OB, ASM)
+                src = cand_ptr
+                slots = _balanced_slots(n_b, NS)  # n keys stored contiguously
+            tau = _select_threshold(src, slots, K, 0, lo, hi, above, NS, OB, LOG_NB)
     return tau
 
 
@@ -411,7 +452,8 @@ def hytopk_refine_kernel(
     ``PRESAMPLE``: the threshold pre-pass's refine (SLACK = 0, every row): tau becomes the row's K-th
     sample key (or stays the smallest key with K samples or fewer) with every key of its score passing
     (tau index = max), and the buffer and stored range start empty, as the main scan expects: the
-    samples themselves are not kept, so nothing is compacted.
+    samples themselves are not kept, so nothing is compacted. Its select runs the later radix levels
+    over a copy of the r-th sample's bucket, placed past the samples (``_exact_threshold``).
 
     ``REDO``: the second chance of rows the one-launch scan flagged full (``refine[b, r]`` > 0, set by
     ``hytopk_scan_kernel`` with STOP_FULL = 1; other rows return at once): tau rises to the K-th key the
@@ -420,8 +462,10 @@ def hytopk_refine_kernel(
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     row_ptr = buf_ptr + row * (SC * NS)
-    if PRESAMPLE:
-        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)
+    if PRESAMPLE:  # the buffer past its deepest slot is free: the select's candidate copy goes there
+        depth = tl.max(slots)
+        tau = _exact_threshold(row_ptr, th_ptr + row * 4, slots, K, row_ptr + depth * NS, (SC - depth) * NS,
+                               NS, OB, LOG_NB, ASM_STORE)  # fmt: skip
         tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
         tl.store(th_ptr + row * 4 + 1, _I32_MAX)  # tau index
         tl.store(th_ptr + row * 4 + 2, _I32_MAX)  # stored range: empty
@@ -438,7 +482,7 @@ def hytopk_refine_kernel(
             tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
     elif tl.max(slots) > LIMIT:
         tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
-        kept = _compact(row_ptr, slots, tau, NS, OB, ASM_STORE)
+        kept = _compact(row_ptr, slots, tau, _I64_MAX, row_ptr, NS, OB, ASM_STORE)
         t_hi = tau >> 32
         t_idx = tl.minimum(_key_index(tau), _I32_MAX)
         tl.store(th_ptr + row * 4, t_hi.to(tl.int32))
@@ -450,7 +494,7 @@ def hytopk_refine_kernel(
 @triton.jit
 def hytopk_finalize_kernel(
     buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr, lse_ptr,
-    I0, R, S, K, KOUT, n_rows, n_words, s_ib, s_is, s_ob, s_os,
+    I0, R, S, K, KOUT, n_rows, n_words, CAND, s_ib, s_is, s_ob, s_os,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, BLOCK_W: tl.constexpr,
     WRITE_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, ASM_STORE: tl.constexpr,
 ):  # fmt: skip
@@ -460,7 +504,8 @@ def hytopk_finalize_kernel(
 
     Persistent: program p handles rows p, p + P, ... of the B * R rows (P = the grid) with its own
     scratch: a bitmap of ``n_words`` int32 (all zero between rows) and ``n_words`` int64 words
-    ``rank << 32 | bits``. Index order comes from the bitmap, not a sort (keys are unique indices
+    ``rank << 32 | bits``, whose first CAND (<= n_words) first hold the threshold's candidate keys
+    (``_exact_threshold``; CAND = 0 keeps every radix level on the buffer). Index order comes from the bitmap, not a sort (keys are unique indices
     below T): the kept keys OR their bits in, a prefix sum of popcounts over the words gives each
     word's first rank, and a key's output slot is ``rank[word] + set bits below it``. On an H200 the
     earlier compaction + in-register sort of K keys was 60% of this kernel, with heavy bank conflicts.
@@ -474,7 +519,8 @@ def hytopk_finalize_kernel(
         row = (b * R + r).to(tl.int64)
         row_ptr = buf_ptr + row * (SC * NS)
         slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
-        tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)  # exactly K keys >= tau, or all
+        # exactly K keys >= tau, or all; the word table is free until the ranks below: it holds the candidates
+        tau = _exact_threshold(row_ptr, th_ptr + row * 4, slots, K, rw, CAND, NS, OB, LOG_NB, ASM_STORE)
         depth = tl.max(slots)
         w_lo = tl.full([], _I32_MAX, tl.int32)
         w_hi = tl.full([], -1, tl.int32)

@@ -77,6 +77,17 @@ def test_radix_digit_widths_bitwise(bits):
     assert_same(got, hytopk_reference(q, k, w, 8), f"{2**bits} buckets")
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["bucket-copy", "buffer-levels"])
+def test_final_selection_bucket_copy_bitwise(copy):
+    """The final selection's later radix levels over a copy of the K-th key's bucket (the default; a
+    bucket larger than the scratch's T / 32 keys stays on the buffer, as every row does without the
+    copy): the same exact sets on adversarial rows (plateaus put many keys in one bucket) and on
+    random integer rows (few keys a bucket)."""
+    cfg = HyTopKConfig(BQ=4, BN=16, CH=8, finalize_copy=copy)
+    for q, k, w in (adversarial_inputs(16, 96, 4, 16, device=DEV, seed=3), int_inputs(1, 16, 256, 4, 16, device=DEV, seed=5)):
+        assert_same(hytopk_triton(q, k, w, 12, config=cfg), hytopk_reference(q, k, w, 12), f"copy={copy}")
+
+
 @pytest.mark.parametrize("slack,relu", [(0.0, True), (1.0, False)])
 def test_refine_slack_bitwise(slack, relu):
     """A refine keeping exactly K keys or all the room allows: the same exact sets (adversarial rows of
