@@ -14,6 +14,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 2 --dim 64 --sweep 32768 131072 --sweep-refine   # refine slacks
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-presample   # threshold pre-pass
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-wide   # wider programs, larger chunks
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 131072 --sweep-finalize --inputs plateau
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -40,6 +41,7 @@ from hyscale_hf.kernels.topk.host import equal_chunk_rows, lane_rows, padded_hea
 
 H, D, TOPK = 32, 128, 2048
 SWEEP_LSE = False  # --sweep-lse: the sweep asks for what a training step does (indices + lse, no scores)
+INPUTS = "random"  # --inputs: make_inputs' distribution
 GiB = 2**30
 
 
@@ -86,11 +88,18 @@ def bf16_matmul_tflops(n: int = 8192) -> float:
 
 
 def make_inputs(T: int, seed: int = 0):
+    """Random q, k, w. ``INPUTS == "plateau"``: q biased negative and head weights of either sign, so
+    most keys' heads all fall below ReLU's zero and score exactly 0: a row with fewer than K positive
+    scores ties at 0 at its K-th key, a plateau that the threshold pre-pass's estimate can sit on."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    q.mul_(D**-0.5)
     k = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.rand(1, T, H, device="cuda", generator=g) / H
+    if INPUTS == "plateau":
+        q.div_(8).sub_(0.3)
+        w = torch.randn(1, T, H, device="cuda", generator=g)
+    else:
+        q.mul_(D**-0.5)
+        w = torch.rand(1, T, H, device="cuda", generator=g) / H
     return q, k, w
 
 
@@ -374,12 +383,14 @@ def main():
                    help="the sweep times the default tiles with and without the final selection's bucket copy")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
+    p.add_argument("--inputs", choices=["random", "plateau"], default="random",
+                   help="plateau: ReLU-zero ties at many rows' K-th key (make_inputs)")
     p.add_argument("--sweep-lse", action="store_true",
                    help="the sweep's calls return indices and lse, as a training step's do (default: indices, scores)")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    global H, D, SWEEP_LSE
-    H, D, SWEEP_LSE = a.heads, a.dim, a.sweep_lse
+    global H, D, SWEEP_LSE, INPUTS
+    H, D, SWEEP_LSE, INPUTS = a.heads, a.dim, a.sweep_lse, a.inputs
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
