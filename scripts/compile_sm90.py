@@ -85,7 +85,7 @@ def hytopk_scan_small_cases():
     one-launch scan after the pre-pass runs it (its first pass, and the second chance at the default tiles)."""
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", k_desc="tensordesc<bf16[1,64,64]>", w_ptr="*fp32",
                     start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", nan_ptr="*i32", dbg_ptr="*fp32",
-                    redo_ptr="*i32")
+                    redo_ptr="*i32", list_ptr="*i32", n_list_ptr="*i32")
     for hp in (2, 4):
         for bq, warps, stages, stop in [(8, 4, 2, 1), (8, 4, 2, 2), (8, 8, 2, 1), (16, 4, 2, 1), (16, 8, 2, 1), (32, 8, 2, 1)]:
             consts = dict(H=hp, HP=hp, D=64, DP=64, BQ=bq, BN=64, SC=256, SEG=1 << 30, RELU=True, CHECK_NAN=False,
@@ -96,7 +96,7 @@ def hytopk_scan_small_cases():
 
 def hytopk_rescue_cases():
     """HyTopK's threshold pre-pass kernels: the refine that sets each row's estimate (and the usual
-    refine beside it), the short-row check and the rescue of rows whose estimate missed
+    refine beside it), the one-launch scan's flagged-row list, the short-row check and the rescue of rows whose estimate missed
     (``hytopk_rescue_kernel``), at a small indexer's shape and at the DSA indexer's (32 x 128)."""
     sel = dict(NS=64, SC=256, OB=16, LOG_NB=7, ASM_STORE=True)  # OB = CH // BN, as the host launches it
     refine_ptrs = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", refine_ptr="*i32")
@@ -106,6 +106,8 @@ def hytopk_rescue_cases():
     yield ("hytopk_short_rows_kernel", topk_kernels.hytopk_short_rows_kernel,
            dict(cnt_ptr="*i32", start_ptr="*i32", rows_ptr="*i32", n_ptr="*i32", stat_ptr="*i64"),
            dict(NS=64, BR=128), {"num_warps": 4})  # fmt: skip
+    yield ("hytopk_flagged_rows_kernel", topk_kernels.hytopk_flagged_rows_kernel,
+           dict(redo_ptr="*i32", rows_ptr="*i32", n_ptr="*i32"), dict(BR=1024), {"num_warps": 4})  # fmt: skip
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", start_ptr="*i32", buf_ptr="*i64", cnt_ptr="*i32",
                     th_ptr="*i32", rows_ptr="*i32", n_ptr="*i32")
     for h, d in [(4, 64), (32, 128)]:

@@ -54,6 +54,8 @@ FINALIZE_SCRATCH_BYTES = 128 << 20
 WHOLE_WINDOW = 1 << 30
 # Rows per program of the pre-pass's short-row check (``hytopk_short_rows_kernel``).
 SHORT_ROWS_BLOCK = 128
+# Rows per step of the flagged-row list (``hytopk_flagged_rows_kernel``: one program a sequence).
+FLAGGED_ROWS_BLOCK = 1024
 
 _STATS: dict = {"calls": 0, "rows": 0}
 _STATS_DEVICE: dict = {}  # device -> int64 [3]: rows refined, refinements, rows rescued (added without a sync)
@@ -312,7 +314,8 @@ def chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[i
 @dataclass
 class _LaneScratch:
     """Per-lane scratch of one call: a chunk's candidate buffers and row state, the final
-    selection's bitmaps, the rows the rescue must rebuild, and the lane's counters (rows refined,
+    selection's bitmaps, the rows the rescue must rebuild (before that, the rows the one-launch scan
+    rescans, with their count a sequence in ``n_listed``), and the lane's counters (rows refined,
     refines, rows rescued; NaN seen)."""
 
     buf: torch.Tensor
@@ -325,6 +328,7 @@ class _LaneScratch:
     fin_words: torch.Tensor
     stats: torch.Tensor
     short_rows: torch.Tensor
+    n_listed: torch.Tensor
     nan_any: torch.Tensor | None
 
 
@@ -342,6 +346,7 @@ def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, check_nan, score_only
         fin_words=torch.empty(n_fin, n_words, dtype=torch.int64, device=dev),
         stats=torch.zeros(3, dtype=torch.int64, device=dev),
         short_rows=torch.empty(B * R, dtype=torch.int32, device=dev),
+        n_listed=torch.empty(B, dtype=torch.int32, device=dev),
         nan_any=torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None,
     )
 
@@ -502,7 +507,7 @@ def hytopk_triton(
                 # sets each row's tau to its rank-th sample, every key of that score passing, and empties the
                 # buffers and stored ranges again.
                 _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ_TRITON), B)](
-                    q, k_s, ks_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine,
+                    q, k_s, ks_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine, ls.short_rows, ls.n_listed,
                     S, T, i0, rc, 0, 0, KS, k_s.shape[1],
                     *q.stride(), *k_s.stride(), *w.stride(), *start.stride(),
                     H=H, HP=HP, D=D, DP=DP, BQ=BQ_TRITON, BN=BN, SC=SC, SEG=SC,
@@ -536,14 +541,18 @@ def hytopk_triton(
                 else:
                     # one launch: a first pass flags rows that fill a slot, the refine raises their
                     # threshold to the K-th key they hold and empties them, a second pass rescans them
+                    # from a list (the short-row list's scratch, free until the rescue)
                     for stop_full in (1, 2) if one_launch else (0,):
                         if stop_full == 2:
                             _kernels.hytopk_refine_kernel[(rc, B)](
                                 buf, cnt, th, refine, rc, K, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
                                 ASM_STORE=not interp, PRESAMPLE=False, REDO=True, **small,
                             )  # fmt: skip
+                            _kernels.hytopk_flagged_rows_kernel[(B,)](
+                                refine, ls.short_rows, ls.n_listed, rc, BR=FLAGGED_ROWS_BLOCK, **small
+                            )
                         _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
-                            q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine,
+                            q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine, ls.short_rows, ls.n_listed,
                             S, T, i0, rc, seg0, SC - seg, 1, T,
                             *q.stride(), *k.stride(), *w.stride(), *start.stride(),
                             H=H, HP=HP, D=D, DP=DP, BQ=BQ, BN=BN, SC=SC, SEG=WHOLE_WINDOW if one_launch else seg,

@@ -271,7 +271,7 @@ def _balanced_slots(n, NS: tl.constexpr):
 @triton.jit
 def hytopk_scan_kernel(
     q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr, redo_ptr,
-    S, T, I0, R, SEG0, LOCAL_TILES, KS, NK,
+    list_ptr, n_list_ptr, S, T, I0, R, SEG0, LOCAL_TILES, KS, NK,
     s_qb, s_qs, s_qh, s_qd, s_kb, s_kt, s_kd, s_wb, s_ws, s_wh, s_sb, s_ss,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BQ: tl.constexpr, BN: tl.constexpr, SC: tl.constexpr, SEG: tl.constexpr,
@@ -292,13 +292,38 @@ def hytopk_scan_kernel(
     filled a slot is flagged in ``redo[b, r]`` for a second chance (the host raises its threshold to
     the K-th key it holds, a lower bound of its true K-th key, and empties it). 2: only flagged rows
     scan, and one that fills a slot again leaves with an empty buffer (fill counts 0), so
-    ``hytopk_short_rows_kernel`` lists it and the rescue rebuilds it: exact, no key dropped unseen."""
+    ``hytopk_short_rows_kernel`` lists it and the rescue rebuilds it: exact, no key dropped unseen.
+    The flagged rows come as a list (``list[b, 0:n_list[b]]``, ascending, from
+    ``hytopk_flagged_rows_kernel``), BQ of them a program, so a program's key tiles serve BQ
+    flagged rows of similar windows instead of the one or two flagged among BQ neighbours."""
     b = tl.program_id(1)
-    n_blocks = tl.cdiv(R, BQ)
-    blk = n_blocks - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
     rq = tl.arange(0, BQ)
     jj = tl.arange(0, BN)
-    r_loc = blk * BQ + rq
+    cols = tl.arange(0, BQ * HP)
+    # The block's queries, transposed: N = BQ * HP columns of (query, head). On Hopper a thread of
+    # the wgmma accumulator holds every 8-column group's column pair 2 * (lane % 4) + {0, 1}. With
+    # BQ a multiple of 4, column c = ((gq * HP / 2 + gh) * 4 + l) * 2 + e holds query gq * 4 + l
+    # and head gh * 2 + e, so a thread holds all heads of one query: the head sum needs no shuffles
+    # and each (key, query) score lives in one thread, not four (the selection that follows ran 4x
+    # redundantly with the plain order c = query * HP + head, which smaller BQ keeps). gq is the
+    # outermost digit, so warpgroups that split N still own whole queries.
+    if BQ % 4 == 0:
+        c_q = (cols // (4 * HP)) * 4 + (cols // 2) % 4
+        c_h = ((cols // 8) % (HP // 2)) * 2 + cols % 2
+    else:
+        c_q = cols // HP
+        c_h = cols % HP
+    if STOP_FULL == 2:  # listed rows; R marks an empty place (a program past the list has none)
+        n_list = tl.load(n_list_ptr + b)
+        grp = tl.cdiv(n_list, BQ) - 1 - tl.program_id(0)  # the latest (longest) rows first
+        at = grp * BQ + rq  # grp < 0 puts every place below 0 (masks as blocks: see row_on below)
+        r_loc = tl.load(list_ptr + b * R + at, mask=(at >= 0) & (at < n_list), other=R)
+        at_c = grp * BQ + c_q
+        c_r = tl.load(list_ptr + b * R + at_c, mask=(at_c >= 0) & (at_c < n_list), other=R)
+    else:
+        blk = tl.cdiv(R, BQ) - 1 - tl.program_id(0)  # longest (latest) rows first: better tail balance
+        r_loc = blk * BQ + rq
+        c_r = blk * BQ + c_q
     row_ok = r_loc < R
     qi = I0 + r_loc
     start = (tl.load(start_ptr + b * s_sb + qi * s_ss, mask=row_ok, other=0) + KS - 1) // KS
@@ -313,29 +338,12 @@ def hytopk_scan_kernel(
     # busy: this block's windows reach tile SEG0 (else only masked ops run). Compared as a block,
     # not a scalar: the interpreter turns scalar-bool & block-bool into an int mask.
     row_on = row_ok & ((rq * 0 + n_tiles) > SEG0)
-    if STOP_FULL == 2:  # the second chance: only the rows the first pass flagged (none: no tiles)
-        row_on = row_on & (tl.load(redo_ptr + b * R + r_loc, mask=row_ok, other=0) > 0)
-        n_tiles = tl.where(tl.max(row_on.to(tl.int32)) > 0, n_tiles, 0)
 
-    # The block's queries, transposed: N = BQ * HP columns of (query, head). On Hopper a thread of
-    # the wgmma accumulator holds every 8-column group's column pair 2 * (lane % 4) + {0, 1}. With
-    # BQ a multiple of 4, column c = ((gq * HP / 2 + gh) * 4 + l) * 2 + e holds query gq * 4 + l
-    # and head gh * 2 + e, so a thread holds all heads of one query: the head sum needs no shuffles
-    # and each (key, query) score lives in one thread, not four (the selection that follows ran 4x
-    # redundantly with the plain order c = query * HP + head, which smaller BQ keeps). gq is the
-    # outermost digit, so warpgroups that split N still own whole queries.
-    cols = tl.arange(0, BQ * HP)
-    if BQ % 4 == 0:
-        c_q = (cols // (4 * HP)) * 4 + (cols // 2) % 4
-        c_h = ((cols // 8) % (HP // 2)) * 2 + cols % 2
-    else:
-        c_q = cols // HP
-        c_h = cols % HP
-    c_ok = (blk * BQ + c_q < R) & (c_h < H) & ((cols * 0 + n_tiles) > SEG0)
+    c_ok = (c_r < R) & (c_h < H) & ((cols * 0 + n_tiles) > SEG0)
     d = tl.arange(0, DP)
-    q_rows = q_ptr + b * s_qb + (I0 + blk * BQ + c_q).to(tl.int64) * s_qs + c_h * s_qh
+    q_rows = q_ptr + b * s_qb + (I0 + c_r).to(tl.int64) * s_qs + c_h * s_qh
     qT = tl.load(q_rows[None, :] + d[:, None] * s_qd, mask=c_ok[None, :] & (d[:, None] < D), other=0.0)
-    w_rows = w_ptr + b * s_wb + (I0 + blk * BQ + c_q).to(tl.int64) * s_ws + c_h * s_wh
+    w_rows = w_ptr + b * s_wb + (I0 + c_r).to(tl.int64) * s_ws + c_h * s_wh
     wv = tl.load(w_rows, mask=c_ok, other=0.0)
     if UPCAST:
         qT = qT.to(tl.float32)
@@ -627,6 +635,22 @@ def hytopk_short_rows_kernel(
         first = tl.atomic_add(n_ptr, n_short)
         tl.store(rows_ptr + first + tl.cumsum(short, 0) - short, rr, mask=short > 0)
         tl.atomic_add(stat_ptr, n_short.to(tl.int64))
+
+
+@triton.jit
+def hytopk_flagged_rows_kernel(redo_ptr, rows_ptr, n_ptr, R, BR: tl.constexpr):
+    """Lists batch program_id(0)'s rows that the one-launch scan flagged full (``redo[b, r]`` > 0) in
+    ascending order: ``rows[b, 0:n]``, n to ``n_ptr[b]``. One program walks the batch's R rows, so
+    the list is sorted (neighbouring entries have windows of similar length, which the second pass's
+    programs share) and needs no atomics or zeroing."""
+    b = tl.program_id(0)
+    n = 0
+    for r0 in range(0, R, BR):
+        r = r0 + tl.arange(0, BR)
+        flag = (tl.load(redo_ptr + b * R + r, mask=r < R, other=0) > 0).to(tl.int32)
+        tl.store(rows_ptr + b * R + n + tl.cumsum(flag, 0) - flag, r, mask=flag > 0)
+        n += tl.sum(flag)
+    tl.store(n_ptr + b, n)
 
 
 @triton.jit

@@ -87,6 +87,27 @@ def test_bad_settings_are_rejected(kw, name):
         HyTopKConfig(BQ=2, BN=16, **kw)
 
 
+def test_flagged_rows_listed_in_order():
+    """``hytopk_flagged_rows_kernel`` lists each sequence's flagged rows (``redo`` > 0; the refine
+    count can exceed 1) in ascending order with their count, over steps of BR rows and a last partial
+    step; rows past the count are left alone."""
+    from hyscale_hf.kernels.topk import triton_kernels
+
+    B, R = 3, 150
+    gen = torch.Generator().manual_seed(1)
+    redo = torch.randint(-1, 3, (B, R), generator=gen, dtype=torch.int32) * (torch.rand(B, R, generator=gen) < 0.3)
+    redo[2] = 0  # a sequence with no flagged row
+    rows = torch.full((B, R), -7, dtype=torch.int32, device=DEV)
+    n = torch.full((B,), -1, dtype=torch.int32, device=DEV)
+    triton_kernels.hytopk_flagged_rows_kernel[(B,)](redo.to(DEV), rows, n, R, BR=64)
+    for b in range(B):
+        want = torch.nonzero(redo[b] > 0).flatten().tolist()
+        assert n[b].item() == len(want)
+        assert rows[b, : len(want)].tolist() == want
+        assert (rows[b, len(want) :] == -7).all()
+    assert n[0].item() > 0 and n[2].item() == 0
+
+
 def test_short_rows_listed_exactly():
     """``hytopk_short_rows_kernel`` lists every row holding fewer keys than min(K, visible keys) and
     no other, counts them in the chunk's count and the running statistic, over two batches and rows
