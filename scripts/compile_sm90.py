@@ -96,13 +96,16 @@ def hytopk_scan_small_cases():
 
 def hytopk_rescue_cases():
     """HyTopK's threshold pre-pass kernels: the refine that sets each row's estimate (and the usual
-    refine beside it), the one-launch scan's flagged-row list, the short-row check and the rescue of rows whose estimate missed
+    refine beside it), the one-launch scan's flagged-row list and second chance, the short-row check and the rescue of rows whose estimate missed
     (``hytopk_rescue_kernel``), at a small indexer's shape and at the DSA indexer's (32 x 128)."""
     sel = dict(NS=64, SC=256, OB=16, LOG_NB=7, ASM_STORE=True)  # OB = CH // BN, as the host launches it
     refine_ptrs = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", refine_ptr="*i32")
-    for presample, redo in [(True, False), (False, True), (False, False)]:
-        yield (f"hytopk_refine_kernel PRESAMPLE={presample} REDO={redo}", topk_kernels.hytopk_refine_kernel, refine_ptrs,
-               dict(sel, PRESAMPLE=presample, REDO=redo), {"num_warps": 4})  # fmt: skip
+    for presample in (True, False):
+        yield (f"hytopk_refine_kernel PRESAMPLE={presample}", topk_kernels.hytopk_refine_kernel, refine_ptrs,
+               dict(sel, PRESAMPLE=presample), {"num_warps": 4})  # fmt: skip
+    yield ("hytopk_redo_kernel", topk_kernels.hytopk_redo_kernel,
+           dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", list_ptr="*i32", n_list_ptr="*i32"),
+           dict(NS=64, SC=256, OB=16, LOG_NB=7), {"num_warps": 4})  # fmt: skip
     yield ("hytopk_short_rows_kernel", topk_kernels.hytopk_short_rows_kernel,
            dict(cnt_ptr="*i32", start_ptr="*i32", rows_ptr="*i32", n_ptr="*i32", stat_ptr="*i64"),
            dict(NS=64, BR=128), {"num_warps": 4})  # fmt: skip

@@ -475,6 +475,7 @@ def hytopk_triton(
         k_s = k[:, ::KS].contiguous()
         # rescue programs (persistent): two per SM take the listed rows; each chunk's count of short rows
         n_rescue = 4 if dev.type != "cuda" else 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+        n_redo = max(1, n_rescue // B)  # the second chance's programs a sequence (persistent over its list)
         n_short = torch.zeros(len(chunk_starts), dtype=torch.int32, device=dev)
         ks_desc = TensorDescriptor(k_s, list(k_s.shape), list(k_s.stride()), [1, BN, DP]) if use_tma else k_s
     launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -517,7 +518,7 @@ def hytopk_triton(
                 )  # fmt: skip
                 _kernels.hytopk_refine_kernel[(rc, B)](
                     buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                    ASM_STORE=not interp, PRESAMPLE=True, REDO=False, **small,
+                    ASM_STORE=not interp, PRESAMPLE=True, **small,
                 )  # fmt: skip
             refine.zero_()
             if score_only:
@@ -528,7 +529,7 @@ def hytopk_triton(
                 if not score_only and seg0 > SC - seg:
                     _kernels.hytopk_refine_kernel[(rc, B)](
                         buf, cnt, th, refine, rc, K, slack, SC - seg, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                        ASM_STORE=not interp, PRESAMPLE=False, REDO=False, **small,
+                        ASM_STORE=not interp, PRESAMPLE=False, **small,
                     )  # fmt: skip
                 if use_gluon:
                     scan_gluon.hytopk_scan_ws_kernel[(triton.cdiv(rc, PR), B)](
@@ -539,18 +540,18 @@ def hytopk_triton(
                         RELU=relu, CHECK_NAN=check_nan, SCORE_ONLY=score_only, num_warps=4,
                     )  # fmt: skip
                 else:
-                    # one launch: a first pass flags rows that fill a slot, the refine raises their
-                    # threshold to the K-th key they hold and empties them, a second pass rescans them
-                    # from a list (the short-row list's scratch, free until the rescue)
+                    # one launch: a first pass flags rows that fill a slot; they are listed (in the
+                    # short-row list's scratch, free until the rescue), their threshold raised to the
+                    # K-th key they hold and their buffers emptied, and a second pass rescans them
                     for stop_full in (1, 2) if one_launch else (0,):
                         if stop_full == 2:
-                            _kernels.hytopk_refine_kernel[(rc, B)](
-                                buf, cnt, th, refine, rc, K, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
-                                ASM_STORE=not interp, PRESAMPLE=False, REDO=True, **small,
-                            )  # fmt: skip
                             _kernels.hytopk_flagged_rows_kernel[(B,)](
                                 refine, ls.short_rows, ls.n_listed, rc, BR=FLAGGED_ROWS_BLOCK, **small
                             )
+                            _kernels.hytopk_redo_kernel[(min(rc, n_redo), B)](
+                                buf, cnt, th, ls.short_rows, ls.n_listed, rc, K,
+                                NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, **small,
+                            )  # fmt: skip
                         _kernels.hytopk_scan_kernel[(triton.cdiv(rc, BQ), B)](
                             q, k, k_desc, w, start, buf, cnt, th, nan_rows, dbg_rows, refine, ls.short_rows, ls.n_listed,
                             S, T, i0, rc, seg0, SC - seg, 1, T,

@@ -289,8 +289,8 @@ def hytopk_scan_kernel(
 
     ``STOP_FULL`` > 0: the launch covers whole windows with no refine to make room (after the
     pre-pass, whose thresholds need not rise), and a full slot takes no more keys. 1: a row that
-    filled a slot is flagged in ``redo[b, r]`` for a second chance (the host raises its threshold to
-    the K-th key it holds, a lower bound of its true K-th key, and empties it). 2: only flagged rows
+    filled a slot is flagged in ``redo[b, r]`` for a second chance (``hytopk_redo_kernel`` raises its
+    threshold to the K-th key it holds, a lower bound of its true K-th key, and empties it). 2: only flagged rows
     scan, and one that fills a slot again leaves with an empty buffer (fill counts 0), so
     ``hytopk_short_rows_kernel`` lists it and the rescue rebuilds it: exact, no key dropped unseen.
     The flagged rows come as a list (``list[b, 0:n_list[b]]``, ascending, from
@@ -451,7 +451,7 @@ def hytopk_scan_kernel(
 def hytopk_refine_kernel(
     buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, ASM_STORE: tl.constexpr,
-    PRESAMPLE: tl.constexpr, REDO: tl.constexpr,
+    PRESAMPLE: tl.constexpr,
 ):  # fmt: skip
     """Refines row program_id(0) of batch program_id(1) if a slot holds more than LIMIT keys: a new
     threshold with K <= #{keys >= tau} <= K + SLACK (exact: no key below it can be in the top K),
@@ -461,12 +461,7 @@ def hytopk_refine_kernel(
     sample key (or stays the smallest key with K samples or fewer) with every key of its score passing
     (tau index = max), and the buffer and stored range start empty, as the main scan expects: the
     samples themselves are not kept, so nothing is compacted. Its select runs the later radix levels
-    over a copy of the r-th sample's bucket, placed past the samples (``_exact_threshold``).
-
-    ``REDO``: the second chance of rows the one-launch scan flagged full (``refine[b, r]`` > 0, set by
-    ``hytopk_scan_kernel`` with STOP_FULL = 1; other rows return at once): tau rises to the K-th key the
-    row holds (keys of a part of its window, so no larger than its true K-th key; with K keys or fewer
-    it stays), and the buffer and stored range start empty for the rescan."""
+    over a copy of the r-th sample's bucket, placed past the samples (``_exact_threshold``)."""
     row = (tl.program_id(1) * R + tl.program_id(0)).to(tl.int64)
     slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
     row_ptr = buf_ptr + row * (SC * NS)
@@ -479,15 +474,6 @@ def hytopk_refine_kernel(
         tl.store(th_ptr + row * 4 + 2, _I32_MAX)  # stored range: empty
         tl.store(th_ptr + row * 4 + 3, _I32_MIN)
         tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
-    elif REDO:
-        if tl.load(refine_ptr + row) > 0:
-            if tl.sum(slots) > K:
-                tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)
-                tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
-                tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
-            tl.store(th_ptr + row * 4 + 2, _I32_MAX)
-            tl.store(th_ptr + row * 4 + 3, _I32_MIN)
-            tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
     elif tl.max(slots) > LIMIT:
         tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
         kept = _compact(row_ptr, slots, tau, _I64_MAX, row_ptr, NS, OB, ASM_STORE)
@@ -497,6 +483,29 @@ def hytopk_refine_kernel(
         tl.store(th_ptr + row * 4 + 1, t_idx.to(tl.int32))
         tl.store(cnt_ptr + row * NS + tl.arange(0, NS), _balanced_slots(kept, NS))
         tl.store(refine_ptr + row, tl.load(refine_ptr + row) + 1)
+
+
+@triton.jit
+def hytopk_redo_kernel(
+    buf_ptr, cnt_ptr, th_ptr, list_ptr, n_list_ptr, R, K,
+    NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr,
+):  # fmt: skip
+    """The second chance of the rows the one-launch scan flagged full (``list[b, 0:n_list[b]]``, from
+    ``hytopk_flagged_rows_kernel``; batch program_id(1), persistent over the list): tau rises to the
+    K-th key the row holds (keys of a part of its window, so no larger than its true K-th key; with K
+    keys or fewer it stays), and the buffer and stored range start empty for the rescan. Walking the
+    list spares launching a program for every row of the chunk when few or none are flagged."""
+    b = tl.program_id(1)
+    for i in range(tl.program_id(0), tl.load(n_list_ptr + b), tl.num_programs(0)):
+        row = (b * R + tl.load(list_ptr + b * R + i)).to(tl.int64)
+        slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
+        if tl.sum(slots) > K:
+            tau = _row_threshold(buf_ptr + row * (SC * NS), th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)
+            tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
+            tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
+        tl.store(th_ptr + row * 4 + 2, _I32_MAX)
+        tl.store(th_ptr + row * 4 + 3, _I32_MIN)
+        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
 
 
 @triton.jit
