@@ -448,6 +448,14 @@ def hytopk_scan_kernel(
 
 
 @triton.jit
+def _empty_row(th_row, cnt_row, NS: tl.constexpr):
+    """A row's buffer and stored key range emptied (its threshold kept), as a scan starts it."""
+    tl.store(th_row + 2, _I32_MAX)
+    tl.store(th_row + 3, _I32_MIN)
+    tl.store(cnt_row + tl.arange(0, NS), tl.zeros([NS], tl.int32))
+
+
+@triton.jit
 def hytopk_refine_kernel(
     buf_ptr, cnt_ptr, th_ptr, refine_ptr, R, K, SLACK, LIMIT,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, ASM_STORE: tl.constexpr,
@@ -471,9 +479,7 @@ def hytopk_refine_kernel(
                                NS, OB, LOG_NB, ASM_STORE)  # fmt: skip
         tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
         tl.store(th_ptr + row * 4 + 1, _I32_MAX)  # tau index
-        tl.store(th_ptr + row * 4 + 2, _I32_MAX)  # stored range: empty
-        tl.store(th_ptr + row * 4 + 3, _I32_MIN)
-        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
+        _empty_row(th_ptr + row * 4, cnt_ptr + row * NS, NS)
     elif tl.max(slots) > LIMIT:
         tau = _row_threshold(row_ptr, th_ptr + row * 4, slots, K, SLACK, NS, OB, LOG_NB)  # n <= K: only rebalance
         kept = _compact(row_ptr, slots, tau, _I64_MAX, row_ptr, NS, OB, ASM_STORE)
@@ -503,9 +509,7 @@ def hytopk_redo_kernel(
             tau = _row_threshold(buf_ptr + row * (SC * NS), th_ptr + row * 4, slots, K, 0, NS, OB, LOG_NB)
             tl.store(th_ptr + row * 4, (tau >> 32).to(tl.int32))
             tl.store(th_ptr + row * 4 + 1, tl.minimum(_key_index(tau), _I32_MAX).to(tl.int32))
-        tl.store(th_ptr + row * 4 + 2, _I32_MAX)
-        tl.store(th_ptr + row * 4 + 3, _I32_MIN)
-        tl.store(cnt_ptr + row * NS + tl.arange(0, NS), tl.zeros([NS], tl.int32))
+        _empty_row(th_ptr + row * 4, cnt_ptr + row * NS, NS)
 
 
 @triton.jit
