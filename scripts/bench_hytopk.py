@@ -19,7 +19,11 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
 ``config``, ``cap`` and ``profile`` arguments). ``ours_kernel_ms``: GPU time per HyTopK kernel in one
-call (torch.profiler).
+call (torch.profiler); ``ours_kernels_per_call``: the kernels a call launches, HyTopK's and torch's.
+``ours_ms`` times each call alone (CUDA events, a sync between calls), so it also counts the host's
+pacing of the launches; ``ours_host_issue_ms`` is the host's time to issue a call, and
+``ours_back_to_back_ms`` a call's time when calls go back to back with the host running ahead (the
+sweep prints them as "kernels/call", "host issue" and "back-to-back").
 Run from the repository root with the package installed (``pip install -e .``).
 """
 
@@ -35,7 +39,7 @@ import time
 import torch
 import triton
 
-from hyscale_hf.benchmarking.timing import cuda_median_ms
+from hyscale_hf.benchmarking.timing import cuda_median_ms, host_and_stream_ms
 from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
 from hyscale_hf.kernels.topk.host import equal_chunk_rows, lane_rows, padded_heads, pick_config, slot_capacity
 
@@ -57,9 +61,10 @@ def peak_extra_bytes(fn) -> int:
     return peak
 
 
-def kernel_ms(fn, reps: int) -> dict:
+def kernel_ms(fn, reps: int) -> tuple[dict, float]:
     """GPU milliseconds per HyTopK kernel (summed over its launches) in one call of ``fn``, the mean
-    over ``reps`` calls (torch.profiler): the scan, the refines between its launches, the final selection."""
+    over ``reps`` calls (torch.profiler): the scan, the refines between its launches, the final
+    selection; and the kernels a call launches, HyTopK's and torch's (fills, zeroing, counters)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -67,10 +72,13 @@ def kernel_ms(fn, reps: int) -> dict:
             fn()
         torch.cuda.synchronize()
     out: dict = {}
+    n_kernels = 0
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("hytopk_"):
-            out[e.name] = out.get(e.name, 0.0) + e.device_time / 1e3 / reps
-    return out
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n_kernels += 1
+            if e.name.startswith("hytopk_"):
+                out[e.name] = out.get(e.name, 0.0) + e.device_time / 1e3 / reps
+    return out, n_kernels / reps
 
 
 def bf16_matmul_tflops(n: int = 8192) -> float:
@@ -159,7 +167,9 @@ def bench_one(T, reps, tflops):
     r["ours_scan_only_ms"] = cuda_median_ms(scan_only, n)
     score_only = lambda: hytopk_triton(q, k, w, TOPK, profile="scoring")  # noqa: E731
     r["ours_scoring_only_ms"] = cuda_median_ms(score_only, n)
-    r["ours_kernel_ms"] = kernel_ms(ours, 2)
+    r["ours_kernel_ms"], r["ours_kernels_per_call"] = kernel_ms(ours, 2)
+    # the host's time to issue a call, and a call's time when calls go back to back (the host ahead)
+    r["ours_host_issue_ms"], r["ours_back_to_back_ms"] = host_and_stream_ms(ours, n)
     chunked = lambda: chunked_torch_topk(q, k, w, TOPK)  # noqa: E731
     r["chunked_torch_ms"] = cuda_median_ms(chunked, n)
     r["chunked_torch_peak_extra_gib"] = peak_extra_bytes(chunked) / GiB
@@ -232,9 +242,12 @@ def sweep(T, tflops, reps, configs):
             st = hytopk_stats()
             scan = cuda_median_ms(lambda run=run: run(profile="scan"), reps)
             so = cuda_median_ms(lambda run=run: run(profile="scoring"), reps)
-            per_kernel = "  ".join(f"{name[7:-7]} {ms:.2f}" for name, ms in kernel_ms(run, 2).items())
+            per_name, n_kernels = kernel_ms(run, 2)
+            per_kernel = "  ".join(f"{name[7:-7]} {ms:.2f}" for name, ms in per_name.items())
+            host, b2b = host_and_stream_ms(run, reps)
             print(
-                f"{c} cap={cap} chunk_rows={rows}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  same={same}  "
+                f"{c} cap={cap} chunk_rows={rows}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  "
+                f"kernels/call {n_kernels:.0f}  host issue {host:.2f} back-to-back {b2b:.2f}  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
                 f"rescued rows/call {st['rows_rescued'] / st['calls']:.1f}  "
                 f"first call {comp:.1f}s",

@@ -5,6 +5,7 @@ instead (``glm5.time_ms``): they synchronise with the host anyway."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -40,3 +41,21 @@ def cuda_median_ms(fn, reps: int, *, warmup: int = 1, budget_ms: float | None = 
 def timed(fn, *, warmup: int = 1, max_reps: int = 10, budget_ms: float = 4000.0) -> float:
     """Median milliseconds of ``fn()`` by CUDA events, after warm-up; reps scaled to the budget."""
     return cuda_median_ms(fn, max_reps, warmup=warmup, budget_ms=budget_ms)
+
+
+def host_and_stream_ms(fn, calls: int) -> tuple[float, float]:
+    """Per call of ``fn`` over ``calls`` calls issued back to back (no sync between them): the host's
+    time to issue a call, and the wall time a call takes until the device is done with all of them.
+
+    The second is the op's time where the host runs ahead of the GPU, as in a training step; the per-call
+    CUDA-event time (``cuda_times``) also counts the host's pacing of the launches. When the first
+    is close to the second, the host's launches, not the kernels, set the time."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e3 / calls, (t2 - t0) * 1e3 / calls

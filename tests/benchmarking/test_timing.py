@@ -51,3 +51,23 @@ def test_budget_caps_the_timed_calls_but_keeps_three(timing):
     assert len(module.cuda_times(slow, 10, warmup=0, budget_ms=400.0)) == 8
     assert len(module.cuda_times(slow, 10, warmup=0, budget_ms=10_000.0)) == 10
     assert module.cuda_median_ms(slow, 5, warmup=0) == 50.0
+
+
+def test_host_issue_and_back_to_back_times(monkeypatch):
+    """A fake op whose host issue takes 1 ms and whose kernels take 3 ms a call, queued behind each
+    other: 1 ms to issue a call, and back to back the first call's issue then 3 ms a call; the
+    warm-up call is counted in neither."""
+    clock = {"host": 0.0, "device_done": 0.0}
+
+    def fn():
+        clock["host"] += 1.0
+        clock["device_done"] = max(clock["device_done"], clock["host"]) + 3.0
+
+    def synchronize():
+        clock["host"] = max(clock["host"], clock["device_done"])
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(timing_module.time, "perf_counter", lambda: clock["host"] / 1e3)
+    host, b2b = timing_module.host_and_stream_ms(fn, 5)
+    assert host == pytest.approx(1.0)
+    assert b2b == pytest.approx((1.0 + 5 * 3.0) / 5)

@@ -313,41 +313,58 @@ def chunk_tiles(start: torch.Tensor, T: int, BQ: int, BN: int, R: int) -> list[i
 
 @dataclass
 class _LaneScratch:
-    """Per-lane scratch of one call: a chunk's candidate buffers and row state, the final
-    selection's bitmaps, the rows the rescue must rebuild (before that, the rows the one-launch scan
-    rescans, with their count a sequence in ``n_listed``), and the lane's counters (rows refined,
-    refines, rows rescued; NaN seen)."""
+    """Per-lane scratch of one call: a chunk's candidate buffers, the final selection's bitmaps, the
+    rows the rescue must rebuild (before that, the rows the one-launch scan rescans, with their count
+    a sequence in ``n_listed``)."""
 
     buf: torch.Tensor
     cnt: torch.Tensor
-    th: torch.Tensor
-    refine: torch.Tensor
-    nan_rows: torch.Tensor
     dbg_rows: torch.Tensor
     fin_bitmap: torch.Tensor
     fin_words: torch.Tensor
-    stats: torch.Tensor
     short_rows: torch.Tensor
     n_listed: torch.Tensor
-    nan_any: torch.Tensor | None
 
 
-def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, check_nan, score_only) -> _LaneScratch:
+def _lane_scratch(B, R, row_keys, BN, n_fin, n_words, dev, score_only) -> _LaneScratch:
     cnt = torch.empty(B, R, BN, dtype=torch.int32, device=dev)  # slot fill counts
     return _LaneScratch(
         buf=torch.empty(B, R, row_keys, dtype=torch.int64, device=dev),
         cnt=cnt,
-        # per row: threshold (mono, index), smallest and largest mono stored (radix select bounds)
-        th=torch.empty(B, R, 4, dtype=torch.int32, device=dev),
-        refine=torch.empty(B, R, dtype=torch.int32, device=dev),
-        nan_rows=torch.zeros(B, R, dtype=torch.int32, device=dev) if check_nan else cnt,
         dbg_rows=torch.empty(B, R, dtype=torch.float32, device=dev) if score_only else cnt,
         fin_bitmap=torch.zeros(n_fin, n_words, dtype=torch.int32, device=dev),
         fin_words=torch.empty(n_fin, n_words, dtype=torch.int64, device=dev),
-        stats=torch.zeros(3, dtype=torch.int64, device=dev),
         short_rows=torch.empty(B * R, dtype=torch.int32, device=dev),
         n_listed=torch.empty(B, dtype=torch.int32, device=dev),
-        nan_any=torch.zeros((), dtype=torch.bool, device=dev) if check_nan else None,
+    )
+
+
+@dataclass
+class _RowState:
+    """Every chunk's row state for one call, chunk c at index c: per row the threshold (mono, index)
+    and the smallest and largest mono stored (the radix selects' bounds), its refine count and its NaN
+    flag, and the call's counters (rows refined, refines, rows rescued). 16-24 bytes a query row,
+    so it is set up once a call rather than once a chunk: a small indexer's call is issued by the
+    host about as fast as the GPU runs it, and each chunk's fills and sums were host launches."""
+
+    th: torch.Tensor
+    refine: torch.Tensor
+    nan_rows: torch.Tensor | None
+    stats: torch.Tensor
+
+
+def _row_state(n_chunks, B, R, dev, check_nan) -> _RowState:
+    th = torch.empty(n_chunks, B, R, 4, dtype=torch.int32, device=dev)
+    # tau = the smallest key (keep everything until the first refine); nothing stored: an empty
+    # range. Filled on the device: a tensor built from a Python list would be a host-to-device copy,
+    # which PyTorch follows with a stream sync (a host stall per call).
+    th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
+    th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
+    return _RowState(
+        th=th,
+        refine=torch.zeros(n_chunks, B, R, dtype=torch.int32, device=dev),
+        nan_rows=torch.zeros(n_chunks, B, R, dtype=torch.int32, device=dev) if check_nan else None,
+        stats=torch.zeros(3, dtype=torch.int64, device=dev),
     )
 
 
@@ -459,7 +476,8 @@ def hytopk_triton(
     block_w = 128 if interp else 1024  # bitmap words per step of the final selection's rank pass
     fin_key = (SC, BN, OB, cfg.select_bits, block_w, return_scores, return_lse, cfg.finalize_warps)
     n_fin = max(1, min(_finalize_programs(dev, fin_key), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
-    lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, check_nan, score_only) for _ in range(lanes)]
+    lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, score_only) for _ in range(lanes)]
+    rs = _row_state(len(chunk_starts), B, R, dev, check_nan)
     # TMA needs a 16-byte aligned base and row pitch and a box of at most 256 per dimension; the
     # descriptor's [1, BN, DP] box is zero-filled past T and D, as the pointer path's masks are
     use_tma = (
@@ -494,14 +512,11 @@ def hytopk_triton(
     for c, (i0, n_tiles) in enumerate(zip(chunk_starts, tiles)):
         rc = min(R, S - i0)
         ls = lane_state[c % lanes]
-        buf, cnt, th, refine, nan_rows, dbg_rows = ls.buf, ls.cnt, ls.th, ls.refine, ls.nan_rows, ls.dbg_rows
+        buf, cnt, dbg_rows = ls.buf, ls.cnt, ls.dbg_rows
+        th, refine = rs.th[c], rs.refine[c]
+        nan_rows = rs.nan_rows[c] if check_nan else cnt
         with torch.cuda.stream(streams[c % lanes]) if lanes > 1 else contextlib.nullcontext():
             cnt.zero_()
-            # tau = the smallest key (keep everything until the first refine); nothing stored: an
-            # empty range. Filled on the device: a tensor built from a Python list would be a
-            # host-to-device copy, which PyTorch follows with a stream sync (a host stall per call).
-            th[..., 0::3] = -(2**31)  # tau mono, largest stored mono
-            th[..., 1:3] = 2**31 - 1  # tau index, smallest stored mono
             if KS:
                 # Threshold pre-pass: the samples go into the (empty) buffers in one launch (a tile adds at
                 # most one key per slot and T / KS <= SC * BN: no slot overflows), then a refine with K = rank
@@ -520,7 +535,6 @@ def hytopk_triton(
                     buf, cnt, th, refine, rc, rank, 0, 0, NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits,
                     ASM_STORE=not interp, PRESAMPLE=True, **small,
                 )  # fmt: skip
-            refine.zero_()
             if score_only:
                 dbg_rows.zero_()
             for seg0 in range(0, n_tiles, max(1, n_tiles) if one_launch else seg):
@@ -564,7 +578,7 @@ def hytopk_triton(
                         )  # fmt: skip
             if KS:  # rows whose estimate lay above their K-th key (rare): listed, then rebuilt from their keys
                 _kernels.hytopk_short_rows_kernel[(triton.cdiv(B * rc, SHORT_ROWS_BLOCK),)](
-                    cnt, start, ls.short_rows, n_short[c:], ls.stats[2:], S, T, i0, rc, K, B * rc, *start.stride(),
+                    cnt, start, ls.short_rows, n_short[c:], rs.stats[2:], S, T, i0, rc, K, B * rc, *start.stride(),
                     NS=BN, BR=SHORT_ROWS_BLOCK, **small,
                 )  # fmt: skip
                 _kernels.hytopk_rescue_kernel[(n_rescue,)](
@@ -588,9 +602,6 @@ def hytopk_triton(
             )  # fmt: skip
             if not interp and (dev.index, fin_key) not in _FINALIZE_FIT:
                 _FINALIZE_FIT[(dev.index, fin_key)] = _resident_programs(fin, dev)
-            ls.stats[:2] += torch.stack([(refine[:, :rc] > 0).sum(), refine[:, :rc].sum()])
-            if check_nan:
-                ls.nan_any |= nan_rows[:, :rc].any()
     for st in streams[1:]:
         streams[0].wait_stream(st)
     if score_only or scan_only:
@@ -598,10 +609,11 @@ def hytopk_triton(
     counters = _STATS_DEVICE.get(dev)
     if counters is None:  # (not setdefault: its default would be allocated on every call)
         counters = _STATS_DEVICE[dev] = torch.zeros(3, dtype=torch.int64, device=dev)
-    for ls in lane_state:
-        counters += ls.stats
+    # rows past S in the last chunk's region were never scanned: their counts and flags stay 0
+    rs.stats[:2] += torch.stack([(rs.refine > 0).sum(), rs.refine.sum()])
+    counters += rs.stats
     _STATS["calls"] += 1
     _STATS["rows"] += B * S
-    if check_nan and bool(torch.stack([ls.nan_any for ls in lane_state]).any()):  # one host sync
+    if check_nan and bool(rs.nan_rows.any()):  # one host sync
         raise ValueError(NAN_MESSAGE)
     return indices, scores, lse
