@@ -96,8 +96,9 @@ def hytopk_scan_small_cases():
 
 def hytopk_rescue_cases():
     """HyTopK's threshold pre-pass kernels: the refine that sets each row's estimate (and the usual
-    refine beside it), the one-launch scan's flagged-row list and second chance, the short-row check and the rescue of rows whose estimate missed
-    (``hytopk_rescue_kernel``), at a small indexer's shape and at the DSA indexer's (32 x 128)."""
+    refine beside it), the one-launch scan's flagged-row list and second chance, the short-row check
+    and the rescue of rows whose estimate missed (``hytopk_rescue_kernel``), at a small indexer's shape
+    and at the DSA indexer's (32 x 128)."""
     sel = dict(NS=64, SC=256, OB=16, LOG_NB=7, ASM_STORE=True)  # OB = CH // BN, as the host launches it
     refine_ptrs = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", refine_ptr="*i32")
     for presample in (True, False):

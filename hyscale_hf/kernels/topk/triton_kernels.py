@@ -526,9 +526,10 @@ def hytopk_finalize_kernel(
     Persistent: program p handles rows p, p + P, ... of the B * R rows (P = the grid) with its own
     scratch: a bitmap of ``n_words`` int32 (all zero between rows) and ``n_words`` int64 words
     ``rank << 32 | bits``, whose first CAND (<= n_words) first hold the threshold's candidate keys
-    (``_exact_threshold``; CAND = 0 keeps every radix level on the buffer). Index order comes from the bitmap, not a sort (keys are unique indices
-    below T): the kept keys OR their bits in, a prefix sum of popcounts over the words gives each
-    word's first rank, and a key's output slot is ``rank[word] + set bits below it``. On an H200 the
+    (``_exact_threshold``; CAND = 0 keeps every radix level on the buffer). Index order comes from
+    the bitmap, not a sort (keys are unique indices below T): the kept keys OR their bits in, a
+    prefix sum of popcounts over the words gives each word's first rank, and a key's output slot is
+    ``rank[word] + set bits below it``. On an H200 the
     earlier compaction + in-register sort of K keys was 60% of this kernel, with heavy bank conflicts.
     """
     pid = tl.program_id(0)
