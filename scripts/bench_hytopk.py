@@ -16,6 +16,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-wide   # wider programs, larger chunks
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 131072 --sweep-finalize --inputs plateau
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-digits   # radix digits of the selects
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-regs --sweep-lse   # its register cap
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -295,7 +296,7 @@ def digit_configs():
     """The default tiles with radix digits of 4-8 bits (``HyTopKConfig.select_bits``) in every radix
     select (the pre-pass refine, the second chance, the final selection), the default first and last:
     fewer buckets make a level's histogram cheaper (Triton builds it from one warp ballot per digit bit
-    and key: the final selection's sm_90 code holds 112 of them at 7 bits) but take more levels."""
+    and key: the final selection's sm_90 code holds 128 of them at 7 bits) but take more levels."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
     return [(base, None)] + [(dataclasses.replace(base, select_bits=b), None) for b in (4, 5, 6, 8)] + [(base, None)]
 
@@ -307,6 +308,17 @@ def finalize_configs():
     if not hasattr(base, "finalize_copy"):  # a package from before the copy (an A/B's old tree): its default
         return [(base, None), (base, None)]
     off = dataclasses.replace(base, finalize_copy=False)
+    return [(off, None), (base, None), (off, None), (base, None)]
+
+
+def finalize_reg_configs():
+    """The default tiles with the final selection's register cap (``HyTopKConfig.finalize_maxnreg``, the
+    default) and without it, twice each: an A/B in one run. A package from before the cap (an A/B's old
+    tree) times its default twice."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    if not hasattr(base, "finalize_maxnreg"):
+        return [(base, None), (base, None)]
+    off = dataclasses.replace(base, finalize_maxnreg=None)
     return [(off, None), (base, None), (off, None), (base, None)]
 
 
@@ -406,6 +418,8 @@ def main():
                    help="the sweep times the default tiles with radix digits of 4-8 bits in the selects")
     p.add_argument("--sweep-finalize", action="store_true",
                    help="the sweep times the default tiles with and without the final selection's bucket copy")
+    p.add_argument("--sweep-finalize-regs", action="store_true",
+                   help="the sweep times the default tiles with and without the final selection's register cap")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--inputs", choices=["random", "plateau"], default="random",
@@ -419,13 +433,16 @@ def main():
     tflops = bf16_matmul_tflops()
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
-        every_t = a.sweep_refine or a.sweep_presample or a.sweep_wide or a.sweep_finalize or a.sweep_digits  # every entry at every T
+        every_t = (a.sweep_refine or a.sweep_presample or a.sweep_wide or a.sweep_finalize or a.sweep_finalize_regs
+                   or a.sweep_digits)  # every entry at every T
         if a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
         elif a.sweep_digits:
             configs = digit_configs()
         elif a.sweep_finalize:
             configs = finalize_configs()
+        elif a.sweep_finalize_regs:
+            configs = finalize_reg_configs()
         elif a.sweep_wide:
             configs = wide_configs(a.sweep[0])
         elif a.sweep_presample:

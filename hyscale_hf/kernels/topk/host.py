@@ -94,10 +94,15 @@ class HyTopKConfig:
     CH: int = 1024  # buffer keys per step of the radix select / compaction
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     finalize_warps: int = 4  # warps of the per-row final selection
+    # Register cap of the final selection (GPU only; None: ptxas's choice). Its sm_90 code needs 168
+    # registers uncapped (3 programs of 4 warps an SM) and spills 8 B under 128 (4 programs).
+    finalize_maxnreg: int | None = 128
     refine_warps: int = 4  # warps of the per-row buffer refine
     # Radix select digit: 2**select_bits histogram buckets per level. H200, T = 128K, bits 8 / 7 / 6 /
     # 5 / 4: refines 24.3 / 22.6 / 24.0 / 24.7 / 29.5 ms, final selection 15.4 / 13.7 / 13.9 / 15.1 /
     # 17.1 ms (tl.histogram's cost grows with the bucket count, fewer buckets need more levels).
+    # H100, 4 x 64 at 32K, indices + lse, bits 8 / 7 / 6 / 5 / 4: whole op back to back 6.69 /
+    # 6.45-6.46 / 6.52 / 6.52 / 7.01 ms (``bench_hytopk.py --sweep-digits``).
     select_bits: int = 7
     # Key tiles of the scan through the copy engine (a TMA tensor descriptor) where the keys allow
     # it (GPU only): H200, T = 128K: scan 143-146 ms against 150-154 ms with pointer loads.
@@ -474,7 +479,11 @@ def hytopk_triton(
     # indices and a word table (12 bytes per 32 keys); FINALIZE_SCRATCH_BYTES bounds them at long T.
     n_words = triton.cdiv(T, 32)
     block_w = 128 if interp else 1024  # bitmap words per step of the final selection's rank pass
-    fin_key = (SC, BN, OB, cfg.select_bits, block_w, return_scores, return_lse, cfg.finalize_warps)
+    fin_key = (SC, BN, OB, cfg.select_bits, block_w, return_scores, return_lse, cfg.finalize_warps,
+               cfg.finalize_maxnreg)  # fmt: skip
+    fin_launch = {} if interp else {"num_warps": cfg.finalize_warps}
+    if cfg.finalize_maxnreg and not interp:
+        fin_launch["maxnreg"] = cfg.finalize_maxnreg
     n_fin = max(1, min(_finalize_programs(dev, fin_key), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
     lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, score_only) for _ in range(lanes)]
     rs = _row_state(len(chunk_starts), B, R, dev, check_nan)
@@ -598,7 +607,7 @@ def hytopk_triton(
                 indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
                 NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=block_w,
                 WRITE_SCORES=return_scores, WRITE_LSE=return_lse, ASM_STORE=not interp,
-                **({} if interp else {"num_warps": cfg.finalize_warps}),
+                **fin_launch,
             )  # fmt: skip
             if not interp and (dev.index, fin_key) not in _FINALIZE_FIT:
                 _FINALIZE_FIT[(dev.index, fin_key)] = _resident_programs(fin, dev)

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..bitmap import bit_slot, word_ranks
-from ..triton_math import lse_step, lse_value
+from ..triton_math import lse_value
 
 _I32_MIN = tl.constexpr(-(2**31))
 _I32_MAX = tl.constexpr(2**31 - 1)
@@ -95,10 +95,7 @@ def _level_digits(lo, hi, LOG_NB: tl.constexpr):
 @triton.jit
 def _bucket_counts(x, inside, s, base, LOG_NB: tl.constexpr):
     """Histogram of the keys ``x`` (flat) inside the level's range into its buckets (``_level_digits``)."""
-    bins = tl.arange(0, 1 << LOG_NB)
-    digit = tl.where(inside, (x >> s) - base, 0).to(tl.int32)
-    outside = tl.sum((~inside).to(tl.int32))
-    return tl.histogram(digit, 1 << LOG_NB) - tl.where(bins == 0, outside, 0)
+    return tl.histogram(((x >> s) - base).to(tl.int32), 1 << LOG_NB, mask=inside)
 
 
 @triton.jit
@@ -544,32 +541,43 @@ def hytopk_finalize_kernel(
         # exactly K keys >= tau, or all; the word table is free until the ranks below: it holds the candidates
         tau = _exact_threshold(row_ptr, th_ptr + row * 4, slots, K, rw, CAND, NS, OB, LOG_NB, ASM_STORE)
         depth = tl.max(slots)
-        w_lo = tl.full([], _I32_MAX, tl.int32)
-        w_hi = tl.full([], -1, tl.int32)
-        for ob in range(0, depth, OB):  # kept keys -> bitmap, and the word range they span
-            _, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
+        # the word range the kept keys span and (WRITE_LSE) their largest score's mono, per element
+        # until the loop ends: one reduction a row instead of one a step (each a round through shared memory)
+        w_lo = tl.full([OB, NS], _I32_MAX, tl.int32)
+        w_hi = tl.full([OB, NS], -1, tl.int32)
+        m_hi = tl.full([OB, NS], _I32_MIN, tl.int32)
+        for ob in range(0, depth, OB):  # kept keys -> bitmap
+            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
             _put_in_layout(bm + (idx >> 5), 1 << (idx & 31), keep, True, ASM_STORE)
-            w_lo = tl.minimum(w_lo, tl.min(tl.where(keep, idx >> 5, _I32_MAX)))
-            w_hi = tl.maximum(w_hi, tl.max(tl.where(keep, idx >> 5, -1)))
+            w_lo = tl.minimum(w_lo, tl.where(keep, idx >> 5, _I32_MAX))
+            w_hi = tl.maximum(w_hi, tl.where(keep, idx >> 5, -1))
+            if WRITE_LSE:
+                m_hi = tl.maximum(m_hi, tl.where(keep, (x >> 32).to(tl.int32), _I32_MIN))
+        w_lo = tl.min(w_lo)
+        w_hi = tl.max(w_hi)
+        if WRITE_LSE:  # the exponent reference: the largest kept score (kept scores are finite or NaN-ranked)
+            m_mono = tl.max(m_hi)
+            m_bits = tl.where(m_mono >= 0, m_mono, m_mono ^ 0x7FFFFFFF)
+            m_row = tl.where(m_mono > _NAN_MONO, m_bits.to(tl.float32, bitcast=True), 0.0)
         tl.debug_barrier()
         kept = tl.zeros([], tl.int32)
         for w0 in range(w_lo, w_hi + 1, BLOCK_W):  # first rank of each word; the bitmap back to 0
             offs = w0 + tl.arange(0, BLOCK_W)
             mw = offs <= w_hi
             word = tl.load(bm + offs, mask=mw, other=0, cache_modifier=".cg")
-            rank, kept = word_ranks(word, kept)
+            rank, kept = word_ranks(word, kept, ASM_STORE)
             tl.store(rw + offs, (rank.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF), mask=mw)
             tl.store(bm + offs, tl.zeros_like(word), mask=mw)
         tl.debug_barrier()
         out_idx = idx_ptr + b * s_ib + (I0 + r).to(tl.int64) * s_is
         out_score = score_ptr + b * s_ob + (I0 + r).to(tl.int64) * s_os
-        m_row = tl.full([], float("-inf"), tl.float32)  # WRITE_LSE: running max and sum of exp
-        l_row = tl.zeros([], tl.float32)
-        nan_row = tl.zeros([], tl.int32)
+        # WRITE_LSE: sums of exp(score - m_row) per element; a NaN-ranked key's score is a NaN, so it
+        # makes its sum NaN
+        l_el = tl.zeros([OB, NS], tl.float32)
         for ob in range(0, depth, OB):  # each kept key to its slot in index order
             x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
             v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
-            slot = bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31)
+            slot = bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31, ASM_STORE)
             _put_in_layout(out_idx + slot, idx, keep, False, ASM_STORE)
             if WRITE_SCORES or WRITE_LSE:
                 mono = (x >> 32).to(tl.int32)
@@ -578,12 +586,11 @@ def hytopk_finalize_kernel(
                 if WRITE_SCORES:
                     _put_in_layout(out_score + slot, score, keep, False, ASM_STORE)
                 if WRITE_LSE:
-                    nan_row += tl.sum((keep & (mono == _NAN_MONO)).to(tl.int32))
-                    s_kept = tl.where(keep & (mono != _NAN_MONO), score, float("-inf"))
-                    m_row, l_row = lse_step(m_row, l_row, s_kept, False)
+                    l_el += tl.where(keep, tl.exp(score - m_row), 0.0)
         if WRITE_LSE:
-            lse = lse_value(m_row, l_row, float("-inf"), False)
-            tl.store(lse_ptr + b * S + I0 + r, tl.where(nan_row > 0, float("nan"), lse))
+            l_row = tl.sum(l_el)
+            lse = tl.where(l_row != l_row, float("nan"), lse_value(m_row, l_row, float("-inf"), False))
+            tl.store(lse_ptr + b * S + I0 + r, lse)
         for p0 in range(kept, KOUT, BLOCK_W):  # fewer than K visible keys: pad
             offs = p0 + tl.arange(0, BLOCK_W)
             tl.store(out_idx + offs, tl.full([BLOCK_W], -1, tl.int32), mask=offs < KOUT)
