@@ -17,6 +17,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 131072 --sweep-finalize --inputs plateau
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-digits   # radix digits of the selects
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-regs --sweep-lse   # its register cap
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-l1 --sweep-lse   # its L1 reads
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -322,6 +323,17 @@ def finalize_reg_configs():
     return [(off, None), (base, None), (off, None), (base, None)]
 
 
+def finalize_l1_configs():
+    """The default tiles with the final selection's buffer reads through L1 (``HyTopKConfig.finalize_l1``,
+    the default) and through L2 only, twice each: an A/B in one run. A package from before the knob (an
+    A/B's old tree) times its default twice."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    if not hasattr(base, "finalize_l1"):
+        return [(base, None), (base, None)]
+    off = dataclasses.replace(base, finalize_l1=False)
+    return [(off, None), (base, None), (off, None), (base, None)]
+
+
 def wide_configs(T):
     """Small indexers under the threshold pre-pass: more query rows per scan program (each program
     reads its rows' whole key window, so BQ rows share one read of the keys) with the smaller buffers
@@ -420,6 +432,8 @@ def main():
                    help="the sweep times the default tiles with and without the final selection's bucket copy")
     p.add_argument("--sweep-finalize-regs", action="store_true",
                    help="the sweep times the default tiles with and without the final selection's register cap")
+    p.add_argument("--sweep-finalize-l1", action="store_true",
+                   help="the sweep times the default tiles with the final selection's buffer reads through L1 and L2 only")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--inputs", choices=["random", "plateau"], default="random",
@@ -434,7 +448,7 @@ def main():
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
         every_t = (a.sweep_refine or a.sweep_presample or a.sweep_wide or a.sweep_finalize or a.sweep_finalize_regs
-                   or a.sweep_digits)  # every entry at every T
+                   or a.sweep_finalize_l1 or a.sweep_digits)  # every entry at every T
         if a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
         elif a.sweep_digits:
@@ -443,6 +457,8 @@ def main():
             configs = finalize_configs()
         elif a.sweep_finalize_regs:
             configs = finalize_reg_configs()
+        elif a.sweep_finalize_l1:
+            configs = finalize_l1_configs()
         elif a.sweep_wide:
             configs = wide_configs(a.sweep[0])
         elif a.sweep_presample:

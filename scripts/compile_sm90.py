@@ -136,13 +136,15 @@ def tile_head_probs_cases():
 
 def hytopk_finalize_cases():
     """HyTopK's final selection (``hytopk_finalize_kernel``) as a training step calls it (indices + lse)
-    and with scores, at the default radix digit and the small indexers' 4 finalize warps."""
+    and with scores, at the default radix digit, the small indexers' 4 finalize warps and the default register
+    cap (``HyTopKConfig.finalize_maxnreg``)."""
     pointers = dict(buf_ptr="*i64", cnt_ptr="*i32", th_ptr="*i32", bm_ptr="*i32", rw_ptr="*i64", idx_ptr="*i32",
                     score_ptr="*fp32", lse_ptr="*fp32")
     for scores, lse in [(False, True), (True, False)]:
-        consts = dict(NS=64, SC=256, OB=16, LOG_NB=7, BLOCK_W=1024, WRITE_SCORES=scores, WRITE_LSE=lse, ASM_STORE=True)
+        consts = dict(NS=64, SC=256, OB=16, LOG_NB=7, BLOCK_W=1024, WRITE_SCORES=scores, WRITE_LSE=lse, ASM_STORE=True,
+                      L1_BUF=True)
         yield (f"hytopk_finalize_kernel scores={scores} lse={lse}", topk_kernels.hytopk_finalize_kernel, pointers,
-               consts, {"num_warps": 4})  # fmt: skip
+               consts, {"num_warps": 4, "maxnreg": 128})  # fmt: skip
 
 
 PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_cases,

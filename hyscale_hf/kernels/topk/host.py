@@ -97,6 +97,9 @@ class HyTopKConfig:
     # Register cap of the final selection (GPU only; None: ptxas's choice). Its sm_90 code needs 168
     # registers uncapped (3 programs of 4 warps an SM) and spills 8 B under 128 (4 programs).
     finalize_maxnreg: int | None = 128
+    # The final selection reads a row's buffer through L1 (``.ca``), so its four passes over the row
+    # can hit there instead of L2; False: L2 only (``.cg``), the A/B baseline.
+    finalize_l1: bool = True
     refine_warps: int = 4  # warps of the per-row buffer refine
     # Radix select digit: 2**select_bits histogram buckets per level. H200, T = 128K, bits 8 / 7 / 6 /
     # 5 / 4: refines 24.3 / 22.6 / 24.0 / 24.7 / 29.5 ms, final selection 15.4 / 13.7 / 13.9 / 15.1 /
@@ -480,7 +483,7 @@ def hytopk_triton(
     n_words = triton.cdiv(T, 32)
     block_w = 128 if interp else 1024  # bitmap words per step of the final selection's rank pass
     fin_key = (SC, BN, OB, cfg.select_bits, block_w, return_scores, return_lse, cfg.finalize_warps,
-               cfg.finalize_maxnreg)  # fmt: skip
+               cfg.finalize_maxnreg, cfg.finalize_l1)  # fmt: skip
     fin_launch = {} if interp else {"num_warps": cfg.finalize_warps}
     if cfg.finalize_maxnreg and not interp:
         fin_launch["maxnreg"] = cfg.finalize_maxnreg
@@ -606,7 +609,7 @@ def hytopk_triton(
                 n_words if cfg.finalize_copy else 0,
                 indices.stride(0), indices.stride(1), scores.stride(0), scores.stride(1),
                 NS=BN, SC=SC, OB=OB, LOG_NB=cfg.select_bits, BLOCK_W=block_w,
-                WRITE_SCORES=return_scores, WRITE_LSE=return_lse, ASM_STORE=not interp,
+                WRITE_SCORES=return_scores, WRITE_LSE=return_lse, ASM_STORE=not interp, L1_BUF=cfg.finalize_l1,
                 **fin_launch,
             )  # fmt: skip
             if not interp and (dev.index, fin_key) not in _FINALIZE_FIT:

@@ -58,12 +58,20 @@ _NAN_MONO = tl.constexpr(-(2**31) + 1)  # naive.NAN_KEY: below -inf, above maske
 
 
 @triton.jit
-def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr):
-    """Entries ``ob + [0, OB)`` of every slot: keys [OB, NS] and which of them are filled."""
+def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr, L1: tl.constexpr = False):
+    """Entries ``ob + [0, OB)`` of every slot: keys [OB, NS] and which of them are filled.
+
+    ``L1``: cache them in L1 (``.ca``) for the program's next pass over the same row, for a buffer no
+    thread writes during the kernel (the final selection's; L1 is not coherent within a grid, and
+    the driver invalidates it between dependent grids). Else ``.cg`` (L2 only), for buffers and
+    scratch the same kernel writes."""
     o = ob + tl.arange(0, OB)
     j = tl.arange(0, NS)
     m = o[:, None] < slots[None, :]
-    x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".cg")
+    if L1:
+        x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".ca")
+    else:
+        x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".cg")
     return x, m
 
 
@@ -117,11 +125,13 @@ def _level_pick(hist, above, K, SLACK, lo, hi, s, base, LOG_NB: tl.constexpr):
 
 
 @triton.jit
-def _level_hist(row_ptr, slots, lo, hi, s, base, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr):
+def _level_hist(
+    row_ptr, slots, lo, hi, s, base, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, L1: tl.constexpr = False
+):  # fmt: skip
     """One radix level's histogram of a row's keys inside [lo, hi] (``_level_digits``' s and base)."""
     hist = tl.zeros([1 << LOG_NB], tl.int32)
     for ob in range(0, tl.max(slots), OB):
-        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB, L1)
         inside = m & (x >= lo) & (x <= hi)
         hist += _bucket_counts(tl.reshape(x, [OB * NS]), tl.reshape(inside, [OB * NS]), s, base, LOG_NB)
     return hist
@@ -186,7 +196,9 @@ def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, slots, lo, hi, dst_ptr, NS: tl.constexpr, OB: tl.constexpr, ASM: tl.constexpr):
+def _compact(
+    row_ptr, slots, lo, hi, dst_ptr, NS: tl.constexpr, OB: tl.constexpr, ASM: tl.constexpr, L1: tl.constexpr = False
+):  # fmt: skip
     """Copy a row's keys inside [lo, hi] to ``dst_ptr[0:n]`` (in place when ``dst_ptr`` is ``row_ptr``);
     returns n.
 
@@ -196,7 +208,7 @@ def _compact(row_ptr, slots, lo, hi, dst_ptr, NS: tl.constexpr, OB: tl.constexpr
     depth = tl.max(slots)
     kept = tl.zeros([], tl.int32)
     for ob in range(0, depth, OB):
-        x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+        x, m = _load_slots(row_ptr, slots, ob, NS, OB, L1)
         keep = tl.reshape((m & (x >= lo) & (x <= hi)).to(tl.int32), [OB * NS])
         pos = kept + tl.cumsum(keep, 0) - keep
         tl.debug_barrier()
@@ -220,7 +232,7 @@ def _row_threshold(row_ptr, th_row, slots, K, SLACK, NS: tl.constexpr, OB: tl.co
 @triton.jit
 def _exact_threshold(
     row_ptr, th_row, slots, K, cand_ptr, CAND, NS: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, L1: tl.constexpr = False,
 ):  # fmt: skip
     """``_row_threshold`` with SLACK = 0 (the exact K-th key, or the smallest key when the buffer holds
     K or fewer), reading the buffer fewer times: after the first level only the keys of the bucket
@@ -232,14 +244,14 @@ def _exact_threshold(
     if tl.sum(slots) > K:
         lo, hi = _key_bounds(th_row)
         s, base = _level_digits(lo, hi, LOG_NB)
-        hist = _level_hist(row_ptr, slots, lo, hi, s, base, NS, OB, LOG_NB)
+        hist = _level_hist(row_ptr, slots, lo, hi, s, base, NS, OB, LOG_NB, L1)
         done, lo, above, hi = _level_pick(hist, 0, K, 0, lo, hi, s, base, LOG_NB)
         tau = lo
         if done == 0:
             n_b = tl.sum(tl.where(tl.arange(0, 1 << LOG_NB) == (lo >> s) - base, hist, 0))  # keys in [lo, hi]
             src = row_ptr
             if n_b <= CAND:
-                n_b = _compact(row_ptr, slots, lo, hi, cand_ptr, NS, OB, ASM)
+                n_b = _compact(row_ptr, slots, lo, hi, cand_ptr, NS, OB, ASM, L1)
                 src = cand_ptr
                 slots = _balanced_slots(n_b, NS)  # n keys stored contiguously
             tau = _select_threshold(src, slots, K, 0, lo, hi, above, NS, OB, LOG_NB)
@@ -253,9 +265,9 @@ def _key_index(x):
 
 
 @triton.jit
-def _kept_keys(row_ptr, slots, ob, tau, NS: tl.constexpr, OB: tl.constexpr):
+def _kept_keys(row_ptr, slots, ob, tau, NS: tl.constexpr, OB: tl.constexpr, L1: tl.constexpr = False):
     """Entries ``ob + [0, OB)`` of a row's slots: keys, which of them are >= tau, their int32 indices."""
-    x, m = _load_slots(row_ptr, slots, ob, NS, OB)
+    x, m = _load_slots(row_ptr, slots, ob, NS, OB, L1)
     return x, m & (x >= tau), _key_index(x).to(tl.int32)
 
 
@@ -514,7 +526,7 @@ def hytopk_finalize_kernel(
     buf_ptr, cnt_ptr, th_ptr, bm_ptr, rw_ptr, idx_ptr, score_ptr, lse_ptr,
     I0, R, S, K, KOUT, n_rows, n_words, CAND, s_ib, s_is, s_ob, s_os,
     NS: tl.constexpr, SC: tl.constexpr, OB: tl.constexpr, LOG_NB: tl.constexpr, BLOCK_W: tl.constexpr,
-    WRITE_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, ASM_STORE: tl.constexpr,
+    WRITE_SCORES: tl.constexpr, WRITE_LSE: tl.constexpr, ASM_STORE: tl.constexpr, L1_BUF: tl.constexpr,
 ):  # fmt: skip
     """Exact top K of each row's buffer in index order: int32 indices (+ fp32 scores), -1 / -inf padded;
     with ``WRITE_LSE`` also the log-sum-exp of the kept scores, fp32 [B, S] (-inf without a kept key, NaN
@@ -528,6 +540,8 @@ def hytopk_finalize_kernel(
     prefix sum of popcounts over the words gives each word's first rank, and a key's output slot is
     ``rank[word] + set bits below it``. On an H200 the
     earlier compaction + in-register sort of K keys was 60% of this kernel, with heavy bank conflicts.
+    ``L1_BUF``: the passes over a row's buffer (first radix level, bucket copy, marking, writing) read
+    it through L1, so the later ones can hit there (``_load_slots``).
     """
     pid = tl.program_id(0)
     bm = bm_ptr + pid.to(tl.int64) * n_words
@@ -539,7 +553,7 @@ def hytopk_finalize_kernel(
         row_ptr = buf_ptr + row * (SC * NS)
         slots = tl.load(cnt_ptr + row * NS + tl.arange(0, NS))
         # exactly K keys >= tau, or all; the word table is free until the ranks below: it holds the candidates
-        tau = _exact_threshold(row_ptr, th_ptr + row * 4, slots, K, rw, CAND, NS, OB, LOG_NB, ASM_STORE)
+        tau = _exact_threshold(row_ptr, th_ptr + row * 4, slots, K, rw, CAND, NS, OB, LOG_NB, ASM_STORE, L1_BUF)
         depth = tl.max(slots)
         # the word range the kept keys span and (WRITE_LSE) their largest score's mono, per element
         # until the loop ends: one reduction a row instead of one a step (each a round through shared memory)
@@ -547,7 +561,7 @@ def hytopk_finalize_kernel(
         w_hi = tl.full([OB, NS], -1, tl.int32)
         m_hi = tl.full([OB, NS], _I32_MIN, tl.int32)
         for ob in range(0, depth, OB):  # kept keys -> bitmap
-            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
+            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB, L1_BUF)
             _put_in_layout(bm + (idx >> 5), 1 << (idx & 31), keep, True, ASM_STORE)
             w_lo = tl.minimum(w_lo, tl.where(keep, idx >> 5, _I32_MAX))
             w_hi = tl.maximum(w_hi, tl.where(keep, idx >> 5, -1))
@@ -575,7 +589,7 @@ def hytopk_finalize_kernel(
         # makes its sum NaN
         l_el = tl.zeros([OB, NS], tl.float32)
         for ob in range(0, depth, OB):  # each kept key to its slot in index order
-            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB)
+            x, keep, idx = _kept_keys(row_ptr, slots, ob, tau, NS, OB, L1_BUF)
             v = tl.load(rw + (idx >> 5), mask=keep, other=0, cache_modifier=".cg")
             slot = bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31, ASM_STORE)
             _put_in_layout(out_idx + slot, idx, keep, False, ASM_STORE)
