@@ -16,8 +16,8 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-wide   # wider programs, larger chunks
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 131072 --sweep-finalize --inputs plateau
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-digits   # radix digits of the selects
-    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-regs --sweep-lse   # its register cap
-    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-l1 --sweep-lse   # its L1 reads
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-regs --sweep-lse   # register cap
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-l1 --sweep-lse   # L1 reads
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -302,36 +302,14 @@ def digit_configs():
     return [(base, None)] + [(dataclasses.replace(base, select_bits=b), None) for b in (4, 5, 6, 8)] + [(base, None)]
 
 
-def finalize_configs():
-    """The default tiles with the final selection's bucket copy (``HyTopKConfig.finalize_copy``, the
-    default) and without it (every radix level over the row's buffer), twice each: an A/B in one run."""
+def knob_ab_configs(field, off):
+    """The default tiles with ``HyTopKConfig.<field>`` at ``off`` and at its default, twice each (off
+    first): an A/B in one run. A package without the field (an A/B's old tree) times its default twice."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-    if not hasattr(base, "finalize_copy"):  # a package from before the copy (an A/B's old tree): its default
+    if not hasattr(base, field):
         return [(base, None), (base, None)]
-    off = dataclasses.replace(base, finalize_copy=False)
-    return [(off, None), (base, None), (off, None), (base, None)]
-
-
-def finalize_reg_configs():
-    """The default tiles with the final selection's register cap (``HyTopKConfig.finalize_maxnreg``, the
-    default) and without it, twice each: an A/B in one run. A package from before the cap (an A/B's old
-    tree) times its default twice."""
-    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-    if not hasattr(base, "finalize_maxnreg"):
-        return [(base, None), (base, None)]
-    off = dataclasses.replace(base, finalize_maxnreg=None)
-    return [(off, None), (base, None), (off, None), (base, None)]
-
-
-def finalize_l1_configs():
-    """The default tiles with the final selection's buffer reads through L1 (``HyTopKConfig.finalize_l1``,
-    the default) and through L2 only, twice each: an A/B in one run. A package from before the knob (an
-    A/B's old tree) times its default twice."""
-    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
-    if not hasattr(base, "finalize_l1"):
-        return [(base, None), (base, None)]
-    off = dataclasses.replace(base, finalize_l1=False)
-    return [(off, None), (base, None), (off, None), (base, None)]
+    other = dataclasses.replace(base, **{field: off})
+    return [(other, None), (base, None), (other, None), (base, None)]
 
 
 def wide_configs(T):
@@ -433,7 +411,7 @@ def main():
     p.add_argument("--sweep-finalize-regs", action="store_true",
                    help="the sweep times the default tiles with and without the final selection's register cap")
     p.add_argument("--sweep-finalize-l1", action="store_true",
-                   help="the sweep times the default tiles with the final selection's buffer reads through L1 and L2 only")
+                   help="the sweep times the default tiles with the final selection's reads through L1 and L2 only")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--inputs", choices=["random", "plateau"], default="random",
@@ -453,12 +431,12 @@ def main():
             configs = chunk_configs(a.sweep[0])
         elif a.sweep_digits:
             configs = digit_configs()
-        elif a.sweep_finalize:
-            configs = finalize_configs()
-        elif a.sweep_finalize_regs:
-            configs = finalize_reg_configs()
-        elif a.sweep_finalize_l1:
-            configs = finalize_l1_configs()
+        elif a.sweep_finalize:  # the final selection's bucket copy
+            configs = knob_ab_configs("finalize_copy", False)
+        elif a.sweep_finalize_regs:  # its register cap
+            configs = knob_ab_configs("finalize_maxnreg", None)
+        elif a.sweep_finalize_l1:  # its buffer reads through L1
+            configs = knob_ab_configs("finalize_l1", False)
         elif a.sweep_wide:
             configs = wide_configs(a.sweep[0])
         elif a.sweep_presample:

@@ -1,0 +1,22 @@
+"""scripts/bench_hytopk.py's one-run A/B of a config knob: the sweep alternates the knob's other value
+with the default, and an old package without the knob (an A/B's baseline tree) times its default twice."""
+
+from tests.support.scripts import load_script
+
+
+def test_knob_ab_alternates_other_value_and_default():
+    bench = load_script("bench_hytopk")
+    bench.H, bench.D = 4, 64
+    configs = bench.knob_ab_configs("finalize_l1", False)
+    assert [c.finalize_l1 for c, _ in configs] == [False, True, False, True]
+    assert [cap for _, cap in configs] == [None] * 4
+    base = configs[1][0]
+    assert all(c == base for c, _ in configs[1::2])  # the default arm is the default config itself
+
+
+def test_knob_ab_on_a_package_without_the_knob_times_its_default_twice():
+    bench = load_script("bench_hytopk")
+    bench.H, bench.D = 4, 64
+    configs = bench.knob_ab_configs("a_knob_this_package_lacks", 0)
+    assert len(configs) == 2 and configs[0] == configs[1]
+    assert configs[0][0] == bench.pick_config(4, 64, bench.torch.bfloat16, bench.torch.device("cuda"))
