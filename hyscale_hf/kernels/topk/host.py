@@ -233,6 +233,14 @@ def _finalize_programs(device: torch.device, key: tuple) -> int:
     return fit if fit is not None else 6 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _launch_options(interp: bool, num_warps: int, maxnreg: int | None = None, **others) -> dict:
+    """A Triton launch's compile options: none on the interpreter (it compiles nothing), else the warps,
+    ``others`` and the register cap where one is set."""
+    if interp:
+        return {}
+    return {"num_warps": num_warps, **others, **({"maxnreg": maxnreg} if maxnreg else {})}
+
+
 def _resident_programs(kernel, device: torch.device) -> int:
     """Programs of a compiled Triton kernel that fit on ``device`` at once: registers (allocated per
     warp in units of 256), shared memory (plus the 1 KiB the driver reserves per block) and warps."""
@@ -484,9 +492,6 @@ def hytopk_triton(
     block_w = 128 if interp else 1024  # bitmap words per step of the final selection's rank pass
     fin_key = (SC, BN, OB, cfg.select_bits, block_w, return_scores, return_lse, cfg.finalize_warps,
                cfg.finalize_maxnreg, cfg.finalize_l1)  # fmt: skip
-    fin_launch = {} if interp else {"num_warps": cfg.finalize_warps}
-    if cfg.finalize_maxnreg and not interp:
-        fin_launch["maxnreg"] = cfg.finalize_maxnreg
     n_fin = max(1, min(_finalize_programs(dev, fin_key), FINALIZE_SCRATCH_BYTES // lanes // (12 * n_words)))
     lane_state = [_lane_scratch(B, R, SC * BN, BN, n_fin, n_words, dev, score_only) for _ in range(lanes)]
     rs = _row_state(len(chunk_starts), B, R, dev, check_nan)
@@ -508,10 +513,9 @@ def hytopk_triton(
         n_redo = max(1, n_rescue // B)  # the second chance's programs a sequence (persistent over its list)
         n_short = torch.zeros(len(chunk_starts), dtype=torch.int32, device=dev)
         ks_desc = TensorDescriptor(k_s, list(k_s.shape), list(k_s.stride()), [1, BN, DP]) if use_tma else k_s
-    launch = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.maxnreg and not interp:
-        launch["maxnreg"] = cfg.maxnreg
-    small = {} if interp else {"num_warps": cfg.refine_warps}
+    launch = _launch_options(interp, cfg.num_warps, cfg.maxnreg, num_stages=cfg.num_stages)  # the scan
+    small = _launch_options(interp, cfg.refine_warps)  # the per-row kernels
+    fin_launch = _launch_options(interp, cfg.finalize_warps, cfg.finalize_maxnreg)
     if cu_seqlens is None and window_start is None:  # windows [0, T - S + i]: known without a sync
         tiles = [(T - S + min(S, i0 + R) - 1) // BN + 1 for i0 in chunk_starts]
     else:  # one sync: how many scan launches each chunk needs

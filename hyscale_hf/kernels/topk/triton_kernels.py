@@ -259,6 +259,13 @@ def _exact_threshold(
 
 
 @triton.jit
+def _mono_score(mono):
+    """The fp32 score of an int32 mono: the inverse of the order-preserving image (a NaN-ranked mono
+    decodes to a NaN)."""
+    return tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _key_index(x):
     """The key index a key holds (int64): the inverse of ``((mono + 1) << 32) - 1 - index``."""
     return (((x >> 32) + 1) << 32) - 1 - x
@@ -571,8 +578,7 @@ def hytopk_finalize_kernel(
         w_hi = tl.max(w_hi)
         if WRITE_LSE:  # the exponent reference: the largest kept score (kept scores are finite or NaN-ranked)
             m_mono = tl.max(m_hi)
-            m_bits = tl.where(m_mono >= 0, m_mono, m_mono ^ 0x7FFFFFFF)
-            m_row = tl.where(m_mono > _NAN_MONO, m_bits.to(tl.float32, bitcast=True), 0.0)
+            m_row = tl.where(m_mono > _NAN_MONO, _mono_score(m_mono), 0.0)
         tl.debug_barrier()
         kept = tl.zeros([], tl.int32)
         for w0 in range(w_lo, w_hi + 1, BLOCK_W):  # first rank of each word; the bitmap back to 0
@@ -594,9 +600,7 @@ def hytopk_finalize_kernel(
             slot = bit_slot((v >> 32).to(tl.int32), v.to(tl.int32), idx & 31, ASM_STORE)
             _put_in_layout(out_idx + slot, idx, keep, False, ASM_STORE)
             if WRITE_SCORES or WRITE_LSE:
-                mono = (x >> 32).to(tl.int32)
-                bits = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF)
-                score = bits.to(tl.float32, bitcast=True)
+                score = _mono_score((x >> 32).to(tl.int32))
                 if WRITE_SCORES:
                     _put_in_layout(out_score + slot, score, keep, False, ASM_STORE)
                 if WRITE_LSE:
