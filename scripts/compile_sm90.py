@@ -10,7 +10,8 @@ H100. Use the GPU image's Triton, installed beside the project's without touchin
 Each preset names kernels, their pointer types and the constexpr values the host code launches them
 with; integer arguments not named are i32. Prints one line per compile: ok with its warps, shared
 memory, and the registers and spills Triton's bundled ptxas reports (which set how many programs fit
-on an SM), or FAIL with the compiler's last line. Exit status 1 if any failed.
+on an SM), or FAIL with the compiler's last line. Exit status 1 if any failed. ``--loops`` also prints
+the instructions of each loop's iteration in the sm_90 SASS (``sass_loops``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,33 @@ def tiled_kl_cases():
             options = tiled._launch(tqp, hp, bd, cuda, backward)
             label = f"{fn.fn.__name__}{' ONE_PASS' if extra.get('ONE_PASS') else ''} TQP={tqp} HP={hp} BLOCK_D={bd}"
             yield label, fn, pointers, {**consts, **extra}, options
+
+
+def sass_loops(cubin: bytes) -> list[int]:
+    """Instructions in each loop of a kernel's sm_90 SASS (a loop: a branch back to an earlier address;
+    its body, the instructions from the target to the branch), in address order, disassembled by the
+    ``cuobjdump`` Triton bundles. Per-iteration counts of an ALU-bound kernel's loops say where its
+    instructions go before any GPU run."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    addrs, loops = [], []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        addrs.append(addr)
+        back = re.search(r"BRA (0x[0-9a-f]+)", m.group(2))
+        if back and int(back.group(1), 16) < addr:
+            loops.append(sum(1 for a in addrs if a >= int(back.group(1), 16)))
+    return loops
 
 
 def hytopk_scan_small_cases():
@@ -154,6 +182,7 @@ PRESETS = {"tiled_kl": tiled_kl_cases, "hytopk_scan_small": hytopk_scan_small_ca
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("presets", nargs="+", choices=sorted(PRESETS))
+    ap.add_argument("--loops", action="store_true", help="also print each loop's instruction count (sass_loops)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, target sm_90")
     failed = 0
@@ -162,6 +191,8 @@ def main() -> int:
             try:
                 k = compile_for_sm90(fn, pointers, consts, options)
                 print(f"ok    {label}: {options['num_warps']} warps, {k.metadata.shared} B shared, {ptxas_usage(k.asm['ptx'])}")
+                if args.loops:
+                    print(f"      instructions per loop iteration, in address order: {sass_loops(k.asm['cubin'])}")
             except Exception as e:  # the compiler's own error, reported per kernel
                 failed += 1
                 print(f"FAIL  {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")

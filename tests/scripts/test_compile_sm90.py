@@ -23,3 +23,17 @@ def test_tiled_kl_kernels_compile_for_sm90():
     assert len(lines) == 12 and all(line.startswith("ok") for line in lines), proc.stdout
     for line in lines:
         assert re.search(r"\d+ registers, \d+ B spilled", line), line
+
+
+def test_loops_lists_each_kernels_loop_sizes():
+    """--loops prints, under each compiled kernel, its loops' instruction counts from the sm_90 SASS (the
+    final selection has several loops inside its per-row loop, which is the largest)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "hytopk_finalize", "--loops"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loops = [line for line in proc.stdout.splitlines() if "instructions per loop iteration" in line]
+    assert len(loops) == 2, proc.stdout
+    for line in loops:
+        sizes = [int(n) for n in re.findall(r"\d+", line.split(":", 1)[1])]
+        assert len(sizes) >= 3 and min(sizes) > 0 and max(sizes) == sizes[-1], line
