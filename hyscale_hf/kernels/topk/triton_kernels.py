@@ -171,23 +171,22 @@ def _put_in_layout(ptr, value, mask, OR: tl.constexpr, ASM: tl.constexpr):
     writes go to scattered rows or slots, so the blocked layout coalesced nothing.
     """
     tl.static_assert(not OR or value.dtype.primitive_bitwidth == 32, "_put_in_layout: OR takes 32-bit values")
-    if ASM:
+    if ASM:  # the mask goes in as a predicate ("b"): as an int, ptxas kept a select and a compare per store
         addr = ptr.to(tl.int64)
-        on = mask.to(tl.int32)
         if value.dtype.primitive_bitwidth == 64:
             tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,l,r", [addr, value.to(tl.int64, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+                "{ @$3 st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,l,b", [addr, value.to(tl.int64, bitcast=True), mask], dtype=tl.int32, is_pure=False, pack=1,
             )  # fmt: skip
         elif OR:
             tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.or.b32 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [addr, value, on], dtype=tl.int32, is_pure=False, pack=1,
+                "{ @$3 red.relaxed.gpu.global.or.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,b", [addr, value, mask], dtype=tl.int32, is_pure=False, pack=1,
             )  # fmt: skip
         else:
             tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [addr, value.to(tl.int32, bitcast=True), on], dtype=tl.int32, is_pure=False, pack=1,
+                "{ @$3 st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,b", [addr, value.to(tl.int32, bitcast=True), mask], dtype=tl.int32, is_pure=False, pack=1,
             )  # fmt: skip
     elif OR:
         tl.atomic_or(ptr, value, mask=mask, sem="relaxed")
@@ -285,6 +284,48 @@ def _balanced_slots(n, NS: tl.constexpr):
 
 
 @triton.jit
+def _append_keys(
+    sc, offs_n, start, end, th_key, fill, slot_base, mono_lo, mono_hi, nan_seen, row_on,
+    BN: tl.constexpr, SC: tl.constexpr, EDGE: tl.constexpr, CHECK_NAN: tl.constexpr, ASM_STORE: tl.constexpr,
+    STOP_FULL: tl.constexpr,
+):  # fmt: skip
+    """The scan's selection of one tile's scores ``sc[key, row]``: each key >= its row's threshold key
+    ``th_key`` goes to the row's slot for its key offset, at entry ``fill`` (``slot_base``: entry 0).
+    ``EDGE``: the tile crosses a row's window (a key outside it is skipped); an inner tile's keys are
+    all visible, so it spares the two compares per score.
+
+    Per score this is sm_90 code of few instructions (``compile_sm90.py hytopk_scan_small --loops``):
+    ``sc + 0.0`` turns -0.0 into +0.0 (tie rule) in one add, the order-preserving image is a shift
+    and an xor, the key is (mono, ~index) as two words with no arithmetic, and the threshold test
+    is one 64-bit compare of keys."""
+    # mono: order-preserving int32 image (-0.0 as +0.0, every non-finite score just above masked,
+    # as naive.hytopk_scores_block ranks it)
+    bits = (sc + 0.0).to(tl.int32, bitcast=True)
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    finite = tl.abs(sc) < float("inf")
+    mono = tl.where(finite, mono, _NAN_MONO)
+    # key = ((mono + 1) << 32) - 1 - index: mono in the high word, 2**32 - 1 - index in the low
+    key = (mono.to(tl.int64) << 32) | (offs_n ^ -1).to(tl.uint32, bitcast=True).to(tl.int64)[:, None]
+    keep = key >= th_key[None, :]
+    if EDGE:
+        vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
+        keep = keep & vis
+        if CHECK_NAN:
+            nan_seen = tl.maximum(nan_seen, tl.max((vis & ~finite).to(tl.int32), axis=0))
+    elif CHECK_NAN:
+        nan_seen = tl.maximum(nan_seen, tl.max((~finite).to(tl.int32), axis=0))
+    if STOP_FULL > 0:
+        keep = keep & (fill < SC)
+    if STOP_FULL == 2:
+        keep = keep & row_on[None, :]
+    _put_in_layout(slot_base + fill.to(tl.int64) * BN, key, keep, False, ASM_STORE)
+    fill += keep.to(tl.int32)
+    mono_lo = tl.minimum(mono_lo, mono)
+    mono_hi = tl.maximum(mono_hi, mono)
+    return fill, mono_lo, mono_hi, nan_seen
+
+
+@triton.jit
 def hytopk_scan_kernel(
     q_ptr, k_ptr, k_desc, w_ptr, start_ptr, buf_ptr, cnt_ptr, th_ptr, nan_ptr, dbg_ptr, redo_ptr,
     list_ptr, n_list_ptr, S, T, I0, R, SEG0, LOCAL_TILES, KS, NK,
@@ -370,6 +411,7 @@ def hytopk_scan_kernel(
     # and fill[j, r] = keys in slot j of row r
     th_mono = tl.load(th_ptr + row_base * 4, mask=row_on, other=0)
     th_idx = tl.load(th_ptr + row_base * 4 + 1, mask=row_on, other=0)
+    th_key = ((th_mono.to(tl.int64) + 1) << 32) - 1 - th_idx.to(tl.int64)  # _key_bounds' tau
     # smallest / largest mono this launch scores, per (key offset, row): a range holding every key
     # it stores (unmasked: one op per score, and a wider range is still a valid bound), so the
     # refine and finalize kernels start their radix selects without a min/max pass
@@ -377,6 +419,13 @@ def hytopk_scan_kernel(
     mono_hi = tl.full([BN, BQ], _I32_MIN, tl.int32)
     cnt_at = cnt_ptr + row_base[None, :] * BN + jj[:, None]
     fill = tl.load(cnt_at, mask=row_on[None, :], other=0)
+    # entry 0 of slot j of row r (an append's address is then one multiply-add from fill)
+    slot_base = buf_rows[None, :] + jj[:, None]
+    # the block's windows' common part: a tile inside it needs no visibility test per score
+    # (every row live, else an edge tile for all: a dead row's vis is what keeps it empty)
+    start_max = tl.max(tl.where(live, start, T))
+    end_min = tl.min(tl.where(live, end, -1))
+    nan_seen = tl.zeros([BQ], tl.int32)
     if CHECK_NAN:
         nan_seen = tl.load(nan_ptr + b * R + r_loc, mask=row_on, other=0)
     if SCORE_ONLY:
@@ -418,32 +467,19 @@ def hytopk_scan_kernel(
             sc = tl.reshape(sc, (BN, BQ))
         else:
             sc = tl.sum(tl.reshape(acc, (BN, BQ, HP)), axis=2)
-        vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
         if SCORE_ONLY:
+            vis = (offs_n[:, None] >= start[None, :]) & (offs_n[:, None] <= end[None, :])
             score_sum += tl.sum(tl.where(vis, sc, 0.0), axis=0)
-        else:
-            # mono: order-preserving int32 image of the score (-0.0 as +0.0, NaN just above
-            # masked); inlined rather than a helper (helper calls are slow in the interpreter)
-            bits = sc.to(tl.int32, bitcast=True)
-            bits = tl.where(bits == _I32_MIN, 0, bits)
-            mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            # every non-finite score (NaN, or an overflow as +-inf) ranks as NaN (naive.hytopk_scores_block)
-            finite = tl.abs(sc) < float("inf")
-            mono = tl.where(finite, mono, _NAN_MONO)
-            if CHECK_NAN:
-                nan_seen = tl.maximum(nan_seen, tl.max((vis & ~finite).to(tl.int32), axis=0))
-            n_idx = offs_n[:, None]
-            above = (mono > th_mono[None, :]) | ((mono == th_mono[None, :]) & (n_idx <= th_idx[None, :]))
-            keep = vis & above
-            if STOP_FULL > 0:
-                keep = keep & (fill < SC)
-            if STOP_FULL == 2:
-                keep = keep & row_on[None, :]
-            key = ((mono.to(tl.int64) + 1) << 32) - 1 - n_idx.to(tl.int64)
-            _put_in_layout(buf_rows[None, :] + fill * BN + jj[:, None], key, keep, False, ASM_STORE)
-            fill += keep.to(tl.int32)
-            mono_lo = tl.minimum(mono_lo, mono)
-            mono_hi = tl.maximum(mono_hi, mono)
+        elif (tile * BN >= start_max) & (tile * BN + BN - 1 <= end_min):  # every key visible to every row
+            fill, mono_lo, mono_hi, nan_seen = _append_keys(
+                sc, offs_n, start, end, th_key, fill, slot_base, mono_lo, mono_hi, nan_seen, row_on,
+                BN, SC, False, CHECK_NAN, ASM_STORE, STOP_FULL,
+            )  # fmt: skip
+        else:  # a tile on a window's edge (the causal diagonal, a window's start)
+            fill, mono_lo, mono_hi, nan_seen = _append_keys(
+                sc, offs_n, start, end, th_key, fill, slot_base, mono_lo, mono_hi, nan_seen, row_on,
+                BN, SC, True, CHECK_NAN, ASM_STORE, STOP_FULL,
+            )  # fmt: skip
 
     if STOP_FULL > 0:  # a full slot may have turned keys away
         full = tl.max((fill >= SC).to(tl.int32), axis=0)
