@@ -18,6 +18,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-digits   # radix digits of the selects
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-regs --sweep-lse   # register cap
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-l1 --sweep-lse   # L1 reads
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-stages --sweep-lse   # scan key stages
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -26,7 +27,9 @@ call (torch.profiler); ``ours_kernels_per_call``: the kernels a call launches, H
 ``ours_ms`` times each call alone (CUDA events, a sync between calls), so it also counts the host's
 pacing of the launches; ``ours_host_issue_ms`` is the host's time to issue a call, and
 ``ours_back_to_back_ms`` a call's time when calls go back to back with the host running ahead (the
-sweep prints them as "kernels/call", "host issue" and "back-to-back").
+sweep prints them as "kernels/call", "host issue" and "back-to-back"); ``ours_graph_ms`` ("graph") a
+call replayed from a CUDA graph: the GPU's time alone, which two codes can be compared on whatever the
+host's speed (on a slow host the back-to-back time is the host's).
 Run from the repository root with the package installed (``pip install -e .``).
 """
 
@@ -42,7 +45,7 @@ import time
 import torch
 import triton
 
-from hyscale_hf.benchmarking.timing import cuda_median_ms, host_and_stream_ms
+from hyscale_hf.benchmarking.timing import cuda_median_ms, graph_replay_ms, host_and_stream_ms
 from hyscale_hf.kernels.topk import HyTopKConfig, hytopk, hytopk_stats, hytopk_triton, reset_hytopk_stats
 from hyscale_hf.kernels.topk.host import equal_chunk_rows, lane_rows, padded_heads, pick_config, slot_capacity
 
@@ -82,6 +85,17 @@ def kernel_ms(fn, reps: int) -> tuple[dict, float]:
             if e.name.startswith("hytopk_"):
                 out[e.name] = out.get(e.name, 0.0) + e.device_time / 1e3 / reps
     return out, n_kernels / reps
+
+
+def graph_ms(fn, reps: int) -> float:
+    """``graph_replay_ms``, or NaN (with the reason printed) where the call cannot be captured, so the
+    entry's other figures still come out."""
+    try:
+        return graph_replay_ms(fn, reps)
+    except Exception as e:  # noqa: BLE001 - capture errors come from torch and the driver alike
+        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        torch.cuda.synchronize()
+        return math.nan
 
 
 def bf16_matmul_tflops(n: int = 8192) -> float:
@@ -173,6 +187,7 @@ def bench_one(T, reps, tflops):
     r["ours_kernel_ms"], r["ours_kernels_per_call"] = kernel_ms(ours, 2)
     # the host's time to issue a call, and a call's time when calls go back to back (the host ahead)
     r["ours_host_issue_ms"], r["ours_back_to_back_ms"] = host_and_stream_ms(ours, n)
+    r["ours_graph_ms"] = graph_ms(ours, n)  # the GPU's time alone (one CUDA graph launch)
     chunked = lambda: chunked_torch_topk(q, k, w, TOPK)  # noqa: E731
     r["chunked_torch_ms"] = cuda_median_ms(chunked, n)
     r["chunked_torch_peak_extra_gib"] = peak_extra_bytes(chunked) / GiB
@@ -248,9 +263,10 @@ def sweep(T, tflops, reps, configs):
             per_name, n_kernels = kernel_ms(run, 2)
             per_kernel = "  ".join(f"{name[7:-7]} {ms:.2f}" for name, ms in per_name.items())
             host, b2b = host_and_stream_ms(run, reps)
+            graph = graph_ms(run, reps)
             print(
                 f"{c} cap={cap} chunk_rows={rows}: full {full:.2f} ms  scan {scan:.2f}  scoring-only {so:.2f}  [{per_kernel}]  "
-                f"kernels/call {n_kernels:.0f}  host issue {host:.2f} back-to-back {b2b:.2f}  same={same}  "
+                f"kernels/call {n_kernels:.0f}  host issue {host:.2f} back-to-back {b2b:.2f} graph {graph:.2f}  same={same}  "
                 f"refined rows/call {st['rows_refined'] / st['calls']:.0f} refines/call {st['refines'] / st['calls']:.0f}  "
                 f"rescued rows/call {st['rows_rescued'] / st['calls']:.1f}  "
                 f"first call {comp:.1f}s",
@@ -310,6 +326,16 @@ def knob_ab_configs(field, off):
         return [(base, None), (base, None)]
     other = dataclasses.replace(base, **{field: off})
     return [(other, None), (base, None), (other, None), (base, None)]
+
+
+def stage_configs():
+    """The default tiles with 3 and 4 key-tile stages in the scan, and 16 query rows a program over 8 warps
+    (two warpgroups share each key tile) at 2-4 stages, the default first and last. Nsight Compute on
+    the 4 x 64 scan at 32K (2 stages): 56% of its warps' stall samples wait for the next key tile's copy,
+    and each tile serves only its program's 8 queries."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    variants = [dict(num_stages=3), dict(num_stages=4)] + [dict(BQ=16, num_warps=8, num_stages=s) for s in (2, 3, 4)]
+    return [(base, None)] + [(dataclasses.replace(base, **v), None) for v in variants] + [(base, None)]
 
 
 def wide_configs(T):
@@ -412,6 +438,8 @@ def main():
                    help="the sweep times the default tiles with and without the final selection's register cap")
     p.add_argument("--sweep-finalize-l1", action="store_true",
                    help="the sweep times the default tiles with the final selection's reads through L1 and L2 only")
+    p.add_argument("--sweep-stages", action="store_true",
+                   help="the sweep times the scan with 3-4 key-tile stages and 16 query rows a program over 8 warps")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--inputs", choices=["random", "plateau"], default="random",
@@ -426,7 +454,7 @@ def main():
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
         every_t = (a.sweep_refine or a.sweep_presample or a.sweep_wide or a.sweep_finalize or a.sweep_finalize_regs
-                   or a.sweep_finalize_l1 or a.sweep_digits)  # every entry at every T
+                   or a.sweep_finalize_l1 or a.sweep_digits or a.sweep_stages)  # every entry at every T
         if a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
         elif a.sweep_digits:
@@ -437,6 +465,8 @@ def main():
             configs = knob_ab_configs("finalize_maxnreg", None)
         elif a.sweep_finalize_l1:  # its buffer reads through L1
             configs = knob_ab_configs("finalize_l1", False)
+        elif a.sweep_stages:
+            configs = stage_configs()
         elif a.sweep_wide:
             configs = wide_configs(a.sweep[0])
         elif a.sweep_presample:

@@ -59,3 +59,25 @@ def host_and_stream_ms(fn, calls: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     return (t1 - t0) * 1e3 / calls, (t2 - t0) * 1e3 / calls
+
+
+def graph_replay_ms(fn, reps: int) -> float:
+    """Median milliseconds of one call of ``fn`` replayed from a CUDA graph: the device's time for the
+    call with no host launch cost (the captured kernels replay from one launch). Where the host issues
+    an op's many small launches about as fast as the GPU runs them (``host_and_stream_ms``), this is
+    the op's GPU time alone, so two codes compare on any host. ``fn`` must be capturable (no host
+    sync, no host-side reads of device results); capture raises otherwise."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm call off the default stream, as graph capture wants
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return cuda_median_ms(graph.replay, reps)
+    finally:
+        del graph

@@ -71,3 +71,21 @@ def test_host_issue_and_back_to_back_times(monkeypatch):
     host, b2b = timing_module.host_and_stream_ms(fn, 5)
     assert host == pytest.approx(1.0)
     assert b2b == pytest.approx((1.0 + 5 * 3.0) / 5)
+
+
+@pytest.mark.gpu
+def test_graph_replay_times_the_captured_call_alone():
+    # a call of many small launches: replayed from a graph it takes the device's time, which is below the
+    # host-paced per-call time; the captured call really runs (its output changes on replay)
+    x = torch.zeros(1024, device="cuda")
+
+    def many_launches():
+        for _ in range(200):
+            x.add_(1.0)
+
+    ms = timing_module.graph_replay_ms(many_launches, 5)
+    before = float(x[0])
+    torch.cuda.synchronize()
+    assert ms > 0.0
+    assert before == 200 * (2 + 1 + 5)  # two warm calls, then one warm-up replay and five timed ones
+    assert ms < timing_module.cuda_median_ms(many_launches, 5)

@@ -20,3 +20,13 @@ def test_knob_ab_on_a_package_without_the_knob_times_its_default_twice():
     configs = bench.knob_ab_configs("a_knob_this_package_lacks", 0)
     assert len(configs) == 2 and configs[0] == configs[1]
     assert configs[0][0] == bench.pick_config(4, 64, bench.torch.bfloat16, bench.torch.device("cuda"))
+
+
+def test_stage_sweep_brackets_its_variants_with_the_default():
+    bench = load_script("bench_hytopk")
+    bench.H, bench.D = 4, 64
+    configs = [c for c, _ in bench.stage_configs()]
+    base = bench.pick_config(4, 64, bench.torch.bfloat16, bench.torch.device("cuda"))
+    assert configs[0] == base and configs[-1] == base  # drift over the run shows in the default's two entries
+    assert [(c.BQ, c.num_warps, c.num_stages) for c in configs[1:-1]] == [
+        (base.BQ, base.num_warps, 3), (base.BQ, base.num_warps, 4), (16, 8, 2), (16, 8, 3), (16, 8, 4)]
