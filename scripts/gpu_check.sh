@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, NCU_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, head_probs, kl_one_pass, ncu_hytopk and ncu_mla are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source and ncu_mla are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -78,6 +78,20 @@ for s in $stages; do
           -k "regex:hytopk_${kern}" --launch-skip 3 --launch-count 1 --set full --page details --print-units base \
           python3 scripts/ncu_hytopk.py ${NCU_ARGS:-}
       done ;;
+    ncu_hytopk_source)  # Nsight Compute's per-instruction stall samples (source page, SASS) of the 4 x 64 scan
+      # at 32K: the last chunk's first scan launch (the 26th: 9 chunks of a pre-pass scan, a first scan and a
+      # second chance each), its details page and its source page as CSV (issue 23)
+      stage ncu_hytopk_scan_report "${NCU_S:-150}" ncu --clock-control none --nvtx --nvtx-include "hytopk/" \
+        -k regex:hytopk_scan_kernel --launch-skip 25 --launch-count 1 --set full --import-source no \
+        -o "$RES/ncu_hytopk_scan" python3 scripts/ncu_hytopk.py ${NCU_ARGS:-}
+      stage ncu_hytopk_scan_details 60 ncu -i "$RES/ncu_hytopk_scan.ncu-rep" --page details --print-units base
+      stage ncu_hytopk_scan_source 60 ncu -i "$RES/ncu_hytopk_scan.ncu-rep" --page source --print-source sass --csv ;;
+    hytopk_stages)  # the small indexers' scan with 3-4 key-tile stages and 16-row programs, GPU time by graph replay
+      # (issue 23: Nsight Compute puts most of the scan's stalls on the key tile's copy)
+      stage hytopk_stages_h4d64 "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 4 --dim 64 \
+        --sweep 32768 --sweep-stages --sweep-lse --reps 5
+      stage hytopk_stages_h2d64 "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 2 --dim 64 \
+        --sweep 131072 --sweep-stages --sweep-lse --reps 2 ;;
     ncu_mla)  # Nsight Compute on the MLA Gluon forward and dS + dK/dV kernels at 32K (issue 26): one launch each,
       # the details page with its stall reasons. The forward inside the script's NVTX range; the backward runs
       # on autograd's own thread, outside any range the script opens, so its launch is counted from the
