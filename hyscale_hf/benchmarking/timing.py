@@ -80,4 +80,4 @@ def graph_replay_ms(fn, reps: int) -> float:
     try:
         return cuda_median_ms(graph.replay, reps)
     finally:
-        del graph
+        del graph  # its memory pool (the call's outputs and scratch) goes back before the caller's next run
