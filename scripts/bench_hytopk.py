@@ -329,12 +329,15 @@ def knob_ab_configs(field, off):
 
 
 def stage_configs():
-    """The default tiles with 3 and 4 key-tile stages in the scan, and 16 query rows a program over 8 warps
-    (two warpgroups share each key tile) at 2-4 stages, the default first and last. Nsight Compute on
-    the 4 x 64 scan at 32K (2 stages): 56% of its warps' stall samples wait for the next key tile's copy,
-    and each tile serves only its program's 8 queries."""
+    """The default tiles with 3 and 4 key-tile stages in the scan, 16 query rows a program over 8 warps
+    (two warpgroups share each key tile) at 2-4 stages, and the warp-specialised Gluon scan at 64
+    product columns a warpgroup (``HyTopKConfig.gluon_columns``: a load warp's ring of 4 key tiles
+    feeding 2 * 64 / H queries), the default first and last. Nsight Compute on the 4 x 64 scan at 32K
+    (2 stages): 56% of its warps' stall samples wait for the next key tile's copy, and each tile
+    serves only its program's 8 queries."""
     base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
     variants = [dict(num_stages=3), dict(num_stages=4)] + [dict(BQ=16, num_warps=8, num_stages=s) for s in (2, 3, 4)]
+    variants.append(dict(gluon_columns=64))
     return [(base, None)] + [(dataclasses.replace(base, **v), None) for v in variants] + [(base, None)]
 
 
@@ -439,7 +442,8 @@ def main():
     p.add_argument("--sweep-finalize-l1", action="store_true",
                    help="the sweep times the default tiles with the final selection's reads through L1 and L2 only")
     p.add_argument("--sweep-stages", action="store_true",
-                   help="the sweep times the scan with 3-4 key-tile stages and 16 query rows a program over 8 warps")
+                   help="the sweep times the scan with 3-4 key-tile stages, 16 query rows a program over 8 warps, "
+                        "and the Gluon scan at 64 columns a warpgroup")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
     p.add_argument("--inputs", choices=["random", "plateau"], default="random",

@@ -86,8 +86,8 @@ for s in $stages; do
         -o "$RES/ncu_hytopk_scan" python3 scripts/ncu_hytopk.py ${NCU_ARGS:-}
       stage ncu_hytopk_scan_details 60 ncu -i "$RES/ncu_hytopk_scan.ncu-rep" --page details --print-units base
       stage ncu_hytopk_scan_source 60 ncu -i "$RES/ncu_hytopk_scan.ncu-rep" --page source --print-source sass --csv ;;
-    hytopk_stages)  # the small indexers' scan with 3-4 key-tile stages and 16-row programs, GPU time by graph replay
-      # (issue 23: Nsight Compute puts most of the scan's stalls on the key tile's copy)
+    hytopk_stages)  # the small indexers' scan with 3-4 key-tile stages, 16-row programs and the Gluon scan at 64
+      # columns, GPU time by graph replay (issue 23: Nsight Compute puts most of the scan's stalls on the key tile's copy)
       stage hytopk_stages_h4d64 "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 4 --dim 64 \
         --sweep 32768 --sweep-stages --sweep-lse --reps 5
       stage hytopk_stages_h2d64 "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 2 --dim 64 \

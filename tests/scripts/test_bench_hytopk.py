@@ -28,5 +28,6 @@ def test_stage_sweep_brackets_its_variants_with_the_default():
     configs = [c for c, _ in bench.stage_configs()]
     base = bench.pick_config(4, 64, bench.torch.bfloat16, bench.torch.device("cuda"))
     assert configs[0] == base and configs[-1] == base  # drift over the run shows in the default's two entries
-    assert [(c.BQ, c.num_warps, c.num_stages) for c in configs[1:-1]] == [
-        (base.BQ, base.num_warps, 3), (base.BQ, base.num_warps, 4), (16, 8, 2), (16, 8, 3), (16, 8, 4)]
+    assert [(c.BQ, c.num_warps, c.num_stages, c.gluon_columns) for c in configs[1:-1]] == [
+        (base.BQ, base.num_warps, 3, None), (base.BQ, base.num_warps, 4, None), (16, 8, 2, None), (16, 8, 3, None),
+        (16, 8, 4, None), (base.BQ, base.num_warps, base.num_stages, 64)]

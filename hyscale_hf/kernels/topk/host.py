@@ -117,6 +117,12 @@ class HyTopKConfig:
     # many key tiles in its ring (H200, T = 128K: 4 stages 151.1 ms, 3 stages 154.5 ms).
     gluon_scan: bool = True
     gluon_stages: int = 4
+    # Product columns (queries x heads) per selection warpgroup of the Gluon scan. None: the measured
+    # default, GLUON_SCAN_COLUMNS for 32 or 64 heads from GLUON_SCAN_MIN_KEYS keys. A width set here
+    # (64, 128 or 256) opts any H whose queries per warpgroup (width // H) are a multiple of 4 into the
+    # Gluon scan at any length: small indexers then share each key tile among 2 * width // H queries
+    # (the Triton scan's 8 wait on their tiles' copies, benchmarks/notes.md). Not measured yet.
+    gluon_columns: int | None = None
     # How many keys above K a refine keeps, as a share of the room a scan segment leaves in the buffer
     # (``(SC - SEG) * BN - K``). A large share stops the radix select after fewer levels but leaves a
     # lower threshold, so the scan appends (and later refines and the final selection read) more keys.
@@ -150,6 +156,8 @@ class HyTopKConfig:
             raise ValueError(f"HyTopKConfig.lanes must be >= 1, got {self.lanes}")
         if self.gluon_stages < 1:
             raise ValueError(f"HyTopKConfig.gluon_stages must be >= 1, got {self.gluon_stages}")
+        if self.gluon_columns not in (None, 64, 128, 256):
+            raise ValueError(f"HyTopKConfig.gluon_columns must be None, 64, 128 or 256, got {self.gluon_columns}")
         if not 0.0 <= self.refine_slack <= 1.0:
             raise ValueError(f"HyTopKConfig.refine_slack must be in [0, 1], got {self.refine_slack}")
         if self.buffer_k < 2:
@@ -200,21 +208,35 @@ GLUON_SCAN_COLUMNS = 256
 GLUON_SCAN_MIN_KEYS = 65536
 
 
+def gluon_columns(cfg: HyTopKConfig) -> int:
+    """Product columns per selection warpgroup of the Gluon scan (``HyTopKConfig.gluon_columns``)."""
+    return GLUON_SCAN_COLUMNS if cfg.gluon_columns is None else cfg.gluon_columns
+
+
 def _gluon_scan_applies(q, k, cfg: HyTopKConfig, interp: bool, cu_seqlens) -> bool:
-    """The Gluon scan (``scan_gluon``) takes sm_90 with bf16/fp16 keys through TMA, H 32 or 64
-    (BQ = 256 / H queries per warpgroup: its column order needs a multiple of 4, and more queries
-    would need more registers for their row state), D a power of two in [16, 256] and on average
-    at least ``GLUON_SCAN_MIN_KEYS`` keys per sequence; ``HyTopKConfig.gluon_scan = False`` turns
-    it off (the Triton scan then runs)."""
+    """The Gluon scan (``scan_gluon``) takes sm_90 with bf16/fp16 keys through TMA and the shapes of
+    ``gluon_scan_shape_ok``; ``HyTopKConfig.gluon_scan = False`` turns it off (the Triton scan then runs)."""
     if scan_gluon is None or interp or not cfg.gluon_scan or not q.is_cuda:
         return False
-    H, D = q.shape[2], q.shape[3]
     n_seqs = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     return (
         torch.cuda.get_device_capability(q.device) == (9, 0) and q.dtype in (torch.bfloat16, torch.float16)
-        and cfg.tma and cfg.BN == 64 and H in (32, 64) and D in (16, 32, 64, 128, 256) and k.data_ptr() % 16 == 0
-        and k.shape[1] >= n_seqs * GLUON_SCAN_MIN_KEYS
+        and cfg.tma and cfg.BN == 64 and gluon_scan_shape_ok(cfg, q.shape[2], q.shape[3], k.shape[1] / n_seqs)
+        and k.data_ptr() % 16 == 0
     )  # fmt: skip
+
+
+def gluon_scan_shape_ok(cfg: HyTopKConfig, H: int, D: int, keys_per_seq: float) -> bool:
+    """The shape half of ``_gluon_scan_applies``: D a power of two in [16, 256]; by default H 32 or 64
+    (BQ = 256 / H queries per warpgroup: its column order needs a multiple of 4, and more queries
+    would need more registers for their row state) with on average at least ``GLUON_SCAN_MIN_KEYS``
+    keys per sequence; with ``gluon_columns`` set, any power of two H >= 2 (heads pair two by two in
+    the column order) that divides it into a multiple of 4 queries, at any length."""
+    if D not in (16, 32, 64, 128, 256):
+        return False
+    if cfg.gluon_columns is None:
+        return H in (32, 64) and keys_per_seq >= GLUON_SCAN_MIN_KEYS
+    return H >= 2 and H & (H - 1) == 0 and cfg.gluon_columns % (4 * H) == 0
 
 
 # Programs of the persistent final selection that fit on a device at once, per (device, compile
@@ -442,8 +464,8 @@ def hytopk_triton(
     BQ = BQ_TRITON = max(cfg.BQ, triton.cdiv(16, HP))  # tl.dot needs N = BQ * HP >= 16
     BN = cfg.BN
     use_gluon = _gluon_scan_applies(q, k, cfg, interp, cu_seqlens)
-    if use_gluon:  # two groups of BQ queries per program, BQ * H = 256 product columns each
-        BQ = GLUON_SCAN_COLUMNS // H
+    if use_gluon:  # two groups of BQ queries per program, BQ * H product columns each (256 by default)
+        BQ = gluon_columns(cfg) // H
     PR = 2 * BQ if use_gluon else BQ  # query rows per scan program
     # Slotted candidate buffer per row: BN slots (key offset j of every tile appends to slot j) of
     # SC entries. A segment of SEG tiles adds <= SEG per slot; rows with a slot fuller than

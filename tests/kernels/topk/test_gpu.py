@@ -266,20 +266,22 @@ class _LaunchCounter:
     reason="the Gluon scan is sm_90 only",
 )
 @pytest.mark.parametrize(
-    "dtype,H,D,relu",
-    [(torch.bfloat16, 32, 128, True), (torch.float16, 64, 64, True), (torch.bfloat16, 32, 64, False)],
-    ids=["bf16-H32-D128", "fp16-H64-D64", "bf16-H32-D64-relu-off"],
-)
-def test_gluon_scan_exact_like_the_triton_scan(monkeypatch, dtype, H, D, relu):
+    "dtype,H,D,relu,columns",
+    [(torch.bfloat16, 32, 128, True, None), (torch.float16, 64, 64, True, None), (torch.bfloat16, 32, 64, False, None),
+     (torch.bfloat16, 4, 64, True, 64)],
+    ids=["bf16-H32-D128", "fp16-H64-D64", "bf16-H32-D64-relu-off", "bf16-H4-D64-64cols"],
+)  # fmt: skip
+def test_gluon_scan_exact_like_the_triton_scan(monkeypatch, dtype, H, D, relu, columns):
     """The warp-specialised scan (sm_90) against the reference and the Triton scan: two sequences,
     the second one's windows starting late, a chunk size that is no multiple of the program's rows,
-    a small buffer that forces refines, a NaN key, and the scoring-only sums."""
+    a small buffer that forces refines, a NaN key, and the scoring-only sums. ``columns``: a small
+    indexer opted in with ``HyTopKConfig.gluon_columns``."""
     T = 4096
     monkeypatch.setattr(host, "GLUON_SCAN_MIN_KEYS", 0)  # it runs from 64K keys by default
     q, k, w = int_inputs(2, T, T, H, D, dtype=dtype, device="cuda", seed=12, qk_range=2)
     k[1, 3000] = float("nan")
     ws = torch.tensor([0, 700], device="cuda")
-    cfg = pick_config(H, D, dtype, q.device)
+    cfg = dataclasses.replace(pick_config(H, D, dtype, q.device), gluon_columns=columns)
     kw = dict(relu=relu, window_start=ws, cap=K + 256, chunk_rows=1500)
     counter = _LaunchCounter(host.scan_gluon.hytopk_scan_ws_kernel)
     monkeypatch.setattr(host.scan_gluon, "hytopk_scan_ws_kernel", counter)

@@ -17,27 +17,32 @@ PTRS = dict(q_ptr="*bf16", k_desc="", w_ptr="*fp32", start_ptr="*i32", buf_ptr="
 INTS = "S T I0 R SEG0 LOCAL_TILES s_qb s_qs s_qh s_wb s_ws s_wh s_sb s_ss".split()
 
 
-@pytest.fixture(scope="module", params=[(32, 128), (64, 128)], ids=["H32-D128", "H64-D128"])
+# the default widths (256 product columns for 32 and 64 heads) and a small indexer's opt-in width
+# (HyTopKConfig.gluon_columns = 64: 16 queries of 4 heads a warpgroup)
+@pytest.fixture(scope="module", params=[(32, 128, None), (64, 128, None), (4, 64, 64)],
+                ids=["H32-D128", "H64-D128", "H4-D64-64cols"])  # fmt: skip
 def sm90_build(request):
-    H, D = request.param
-    cfg = HyTopKConfig(BQ=4, BN=64)
-    return build_sm90(
+    H, D, columns = request.param
+    cfg = HyTopKConfig(BQ=4, BN=64, gluon_columns=columns)
+    build = build_sm90(
         dict(
             module="hyscale_hf.kernels.topk.scan_gluon",
             kernel="hytopk_scan_ws_kernel",
             signature={**PTRS, "k_desc": f"tensordesc:bf16:64x{D}", **dict.fromkeys(INTS, "i32")},
             # the buffer of a top-2048 call: 256 entries per slot, segments of 74 tiles
-            constexprs=dict(H=H, BQ=host.GLUON_SCAN_COLUMNS // H, SC=256, SEG=74, STAGES=cfg.gluon_stages,
+            constexprs=dict(H=H, BQ=host.gluon_columns(cfg) // H, SC=256, SEG=74, STAGES=cfg.gluon_stages,
                             RELU=True, CHECK_NAN=False, SCORE_ONLY=False),  # fmt: skip
             aligned=[n for n in PTRS if n != "k_desc"] + ["s_qb", "s_qs", "s_qh", "s_wb", "s_ws", "s_sb", "S", "T"],
         )
     )
+    return build, host.gluon_columns(cfg)
 
 
 def test_fits_one_sm_without_spills(sm90_build):
-    assert_fits_one_sm_without_spills(sm90_build)
+    assert_fits_one_sm_without_spills(sm90_build[0])
 
 
 def test_warpgroups_are_specialised(sm90_build):
-    # the load warp copies key tiles with TMA; each selection warpgroup runs an m64n256 product
-    assert_warp_specialised(sm90_build, r"cp\.async\.bulk\.tensor", r"wgmma\.mma_async\.sync\.aligned\.m64n256k16")
+    # the load warp copies key tiles with TMA; each selection warpgroup runs an m64nN product, N its columns
+    build, columns = sm90_build
+    assert_warp_specialised(build, r"cp\.async\.bulk\.tensor", rf"wgmma\.mma_async\.sync\.aligned\.m64n{columns}k16")

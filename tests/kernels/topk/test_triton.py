@@ -332,3 +332,19 @@ def test_finalize_programs_before_and_after_the_first_launch(monkeypatch):
     assert host._finalize_programs(dev, key) == 528
     assert host._finalize_programs(dev, ("another",)) == 6 * 132
     assert host._finalize_programs(torch.device("cpu"), key) == 4
+
+
+def test_gluon_columns_are_validated_and_opt_small_indexers_in():
+    with pytest.raises(ValueError, match="gluon_columns"):
+        HyTopKConfig(BQ=2, BN=16, gluon_columns=96)
+    default, narrow = HyTopKConfig(BQ=8, BN=64), HyTopKConfig(BQ=8, BN=64, gluon_columns=64)
+    # the default: 32 or 64 heads from 64K keys a sequence, as measured
+    assert host.gluon_scan_shape_ok(default, 32, 128, 65536) and not host.gluon_scan_shape_ok(default, 32, 128, 32768)
+    assert not host.gluon_scan_shape_ok(default, 4, 64, 131072)
+    # a width set: any power-of-two H >= 2 with a multiple of 4 queries a warpgroup, at any length
+    assert host.gluon_scan_shape_ok(narrow, 4, 64, 8192) and host.gluon_scan_shape_ok(narrow, 2, 64, 8192)
+    assert host.gluon_scan_shape_ok(narrow, 16, 64, 8192)
+    assert not host.gluon_scan_shape_ok(narrow, 32, 64, 8192)  # 2 queries a warpgroup
+    assert not host.gluon_scan_shape_ok(narrow, 3, 64, 8192) and not host.gluon_scan_shape_ok(narrow, 1, 64, 8192)
+    assert not host.gluon_scan_shape_ok(narrow, 4, 48, 8192)  # D not a power of two
+    assert host.gluon_columns(default) == host.GLUON_SCAN_COLUMNS and host.gluon_columns(narrow) == 64
