@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, NCU_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source and ncu_mla are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages tests_topk, e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source and ncu_mla are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -48,6 +48,9 @@ for s in $stages; do
       skip=""
       python3 -c "import datasets" 2>/dev/null || skip="--ignore=tests/scripts"
       stage gpu_tests "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu tests $skip ;;
+    tests_topk)  # HyTopK's GPU tests and the timing helpers' (about 4 minutes on an H100, mostly compiles)
+      stage gpu_tests_topk "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/topk \
+        tests/benchmarking/test_timing.py ;;
     compat)  # the CPU suite of the patches under the host's Transformers version, GPU hidden
       CUDA_VISIBLE_DEVICES="" stage compat_tests 400 python3 -m pytest -q -p no:cacheprovider -x \
         tests/model_patches tests/test_replay.py tests/test_replay_models.py ;;
