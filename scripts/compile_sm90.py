@@ -11,7 +11,8 @@ Each preset names kernels, their pointer types and the constexpr values the host
 with; integer arguments not named are i32. Prints one line per compile: ok with its warps, shared
 memory, and the registers and spills Triton's bundled ptxas reports (which set how many programs fit
 on an SM), or FAIL with the compiler's last line. Exit status 1 if any failed. ``--loops`` also prints
-the instructions of each loop's iteration in the sm_90 SASS (``sass_loops``).
+the instructions of each loop's iteration in the sm_90 SASS and what each forward branch inside a loop
+skips (``sass_loops``).
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ def tiled_kl_cases():
             yield label, fn, pointers, {**consts, **extra}, options
 
 
-def sass_loops(cubin: bytes) -> list[int]:
-    """Instructions in each loop of a kernel's sm_90 SASS (a loop: a branch back to an earlier address;
-    its body, the instructions from the target to the branch), in address order, disassembled by the
-    ``cuobjdump`` Triton bundles. Per-iteration counts of an ALU-bound kernel's loops say where its
-    instructions go before any GPU run."""
+def sass_loops(cubin: bytes) -> list[tuple[int, list[int]]]:
+    """Each loop of a kernel's sm_90 SASS, in address order, as (instructions in its body, instructions
+    each forward branch inside it skips), disassembled by the ``cuobjdump`` Triton bundles (``loops_in_sass``).
+    Per-iteration counts of an ALU-bound kernel's loops say where its instructions go before any GPU run;
+    the skips say what a path through an iteration leaves out (a branch over a block taken on some tiles)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
@@ -94,16 +95,25 @@ def sass_loops(cubin: bytes) -> list[int]:
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    addrs, loops = [], []
+    return loops_in_sass(sass)
+
+
+def loops_in_sass(sass: str) -> list[tuple[int, list[int]]]:
+    """``sass_loops`` on disassembled text. A loop is a branch back to an earlier address; its body, the
+    instructions from the target to the branch. A forward branch inside the body, to a target inside
+    it, skips the instructions between the two."""
+    instrs = []  # (address, branch target or None)
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if not m:
-            continue
-        addr = int(m.group(1), 16)
-        addrs.append(addr)
-        back = re.search(r"BRA (0x[0-9a-f]+)", m.group(2))
-        if back and int(back.group(1), 16) < addr:
-            loops.append(sum(1 for a in addrs if a >= int(back.group(1), 16)))
+        if m:
+            bra = re.search(r"BRA (0x[0-9a-f]+)", m.group(2))
+            instrs.append((int(m.group(1), 16), int(bra.group(1), 16) if bra else None))
+    loops = []
+    for addr, target in instrs:
+        if target is not None and target < addr:
+            body = [(a, t) for a, t in instrs if target <= a <= addr]
+            skips = [sum(1 for b, _ in body if a < b < t) for a, t in body if t is not None and a < t <= addr]
+            loops.append((len(body), skips))
     return loops
 
 
@@ -192,7 +202,9 @@ def main() -> int:
                 k = compile_for_sm90(fn, pointers, consts, options)
                 print(f"ok    {label}: {options['num_warps']} warps, {k.metadata.shared} B shared, {ptxas_usage(k.asm['ptx'])}")
                 if args.loops:
-                    print(f"      instructions per loop iteration, in address order: {sass_loops(k.asm['cubin'])}")
+                    loops = sass_loops(k.asm["cubin"])
+                    print(f"      instructions per loop iteration, in address order: {[n for n, _ in loops]}")
+                    print(f"      instructions each forward branch inside a loop skips: {[skips for _, skips in loops]}")
             except Exception as e:  # the compiler's own error, reported per kernel
                 failed += 1
                 print(f"FAIL  {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")

@@ -37,3 +37,16 @@ def test_loops_lists_each_kernels_loop_sizes():
     for line in loops:
         sizes = [int(n) for n in re.findall(r"\d+", line.split(":", 1)[1])]
         assert len(sizes) >= 3 and min(sizes) > 0 and max(sizes) == sizes[-1], line
+
+
+def test_loops_in_sass_counts_bodies_and_forward_skips():
+    """A loop's body runs from its back branch's target to the branch; a forward branch inside it skips
+    the instructions between, and one leaving the loop is not counted."""
+    from tests.support.scripts import load_script
+
+    sass = "\n".join(f"        /*{a:04x}*/                   {text} ;" for a, text in [
+        (0x00, "MOV R1, R2"), (0x10, "@P0 BRA 0x40"), (0x20, "IADD3 R1, R1, 1, RZ"), (0x30, "BRA 0x60"),
+        (0x40, "IADD3 R1, R1, 2, RZ"), (0x50, "@P1 BRA 0x90"), (0x60, "ISETP.NE P2, R1, RZ"),
+        (0x70, "@P2 BRA 0x00"), (0x80, "EXIT"), (0x90, "BRA 0x60"),
+    ])  # fmt: skip
+    assert load_script("compile_sm90").loops_in_sass(sass) == [(8, [2, 2]), (4, [])]
