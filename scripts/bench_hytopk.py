@@ -19,6 +19,7 @@ HyTopK run at 1M tokens (--million). Writes JSON and a PNG plot.
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-regs --sweep-lse   # register cap
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-finalize-l1 --sweep-lse   # L1 reads
     python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-stages --sweep-lse   # scan key stages
+    python scripts/bench_hytopk.py --heads 4 --dim 64 --sweep 32768 --sweep-set BQ=4 refine_warps=2 --sweep-lse
 
 ``--sweep T ...`` times tile configurations instead. The tuning aid and the "where the time goes"
 columns (scan kernel only, scoring only) go through ``hyscale_hf.kernels.topk.hytopk_triton`` (its
@@ -328,6 +329,38 @@ def knob_ab_configs(field, off):
     return [(other, None), (base, None), (other, None), (base, None)]
 
 
+def override_configs(specs):
+    """The default tiles with each spec's ``HyTopKConfig`` fields changed ("BQ=4,num_warps=2": ints,
+    floats, True/False/None as written), bracketed by the default first and last (drift over the run
+    shows in the default's two entries). A bad field or value fails before anything runs."""
+    base = pick_config(H, D, torch.bfloat16, torch.device("cuda"))
+    fields = {f.name for f in dataclasses.fields(HyTopKConfig)}
+    variants = []
+    for spec in specs:
+        changes = {}
+        for item in spec.split(","):
+            name, eq, value = item.partition("=")
+            if not eq or name not in fields:
+                raise SystemExit(f"--sweep-set: {item!r} is not FIELD=VALUE with a HyTopKConfig field")
+            changes[name] = _config_value(value)
+        variants.append(dataclasses.replace(base, **changes))  # __post_init__ checks the values
+    return [(base, None)] + [(c, None) for c in variants] + [(base, None)]
+
+
+def _config_value(text):
+    """A config value as written on the command line: None, True, False, an int or a float."""
+    consts = {"None": None, "True": True, "False": False}
+    if text in consts:
+        return consts[text]
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise SystemExit(f"--sweep-set: value {text!r} is not None, True, False, an int or a float") from None
+
+
 def stage_configs():
     """The default tiles with 3 and 4 key-tile stages in the scan, 16 query rows a program over 8 warps
     (two warpgroups share each key tile) at 2-4 stages, and the warp-specialised Gluon scan at 64
@@ -446,6 +479,9 @@ def main():
                         "and the Gluon scan at 64 columns a warpgroup")
     p.add_argument("--sweep-wide", action="store_true",
                    help="the sweep times small indexers' wider scan programs with smaller buffers and larger chunks")
+    p.add_argument("--sweep-set", nargs="+", default=[], metavar="FIELD=VALUE[,...]",
+                   help="the sweep times the default tiles with these HyTopKConfig changes, one config per "
+                        "argument, e.g. BQ=4 refine_warps=2 (the default first and last)")
     p.add_argument("--inputs", choices=["random", "plateau"], default="random",
                    help="plateau: ReLU-zero ties at many rows' K-th key (make_inputs)")
     p.add_argument("--sweep-lse", action="store_true",
@@ -458,8 +494,10 @@ def main():
     print(f"device {torch.cuda.get_device_name()}, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     if a.sweep:  # the first T: every config; later T: the three fastest so far, fewer reps
         every_t = (a.sweep_refine or a.sweep_presample or a.sweep_wide or a.sweep_finalize or a.sweep_finalize_regs
-                   or a.sweep_finalize_l1 or a.sweep_digits or a.sweep_stages)  # every entry at every T
-        if a.sweep_chunks:
+                   or a.sweep_finalize_l1 or a.sweep_digits or a.sweep_stages or a.sweep_set)  # every entry at every T
+        if a.sweep_set:
+            configs = override_configs(a.sweep_set)
+        elif a.sweep_chunks:
             configs = chunk_configs(a.sweep[0])
         elif a.sweep_digits:
             configs = digit_configs()

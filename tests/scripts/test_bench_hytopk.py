@@ -31,3 +31,31 @@ def test_stage_sweep_brackets_its_variants_with_the_default():
     assert [(c.BQ, c.num_warps, c.num_stages, c.gluon_columns) for c in configs[1:-1]] == [
         (base.BQ, base.num_warps, 3, None), (base.BQ, base.num_warps, 4, None), (16, 8, 2, None), (16, 8, 3, None),
         (16, 8, 4, None), (base.BQ, base.num_warps, base.num_stages, 64)]
+
+
+def test_sweep_set_changes_the_named_fields_between_two_defaults():
+    bench = load_script("bench_hytopk")
+    bench.H, bench.D = 4, 64
+    configs = [c for c, _ in bench.override_configs(["BQ=4,num_warps=2", "finalize_maxnreg=None", "presample_z=4.5"])]
+    base = bench.pick_config(4, 64, bench.torch.bfloat16, bench.torch.device("cuda"))
+    assert configs[0] == base and configs[-1] == base
+    assert configs[1] == bench.dataclasses.replace(base, BQ=4, num_warps=2)
+    assert configs[2].finalize_maxnreg is None and configs[3].presample_z == 4.5
+
+
+def test_sweep_set_rejects_an_unknown_field_or_value_before_running():
+    bench = load_script("bench_hytopk")
+    bench.H, bench.D = 4, 64
+    for spec, word in (("BQ", "FIELD=VALUE"), ("no_such_field=1", "FIELD=VALUE"), ("BQ=four", "'four'")):
+        try:
+            bench.override_configs([spec])
+        except SystemExit as e:
+            assert word in str(e)
+        else:
+            raise AssertionError(f"{spec} was accepted")
+    try:
+        bench.override_configs(["lanes=0"])  # HyTopKConfig's own check
+    except ValueError as e:
+        assert "lanes" in str(e)
+    else:
+        raise AssertionError("lanes=0 was accepted")

@@ -121,7 +121,9 @@ class HyTopKConfig:
     # default, GLUON_SCAN_COLUMNS for 32 or 64 heads from GLUON_SCAN_MIN_KEYS keys. A width set here
     # (64, 128 or 256) opts any H whose queries per warpgroup (width // H) are a multiple of 4 into the
     # Gluon scan at any length: small indexers then share each key tile among 2 * width // H queries
-    # (the Triton scan's 8 wait on their tiles' copies, benchmarks/notes.md). Not measured yet.
+    # (the Triton scan's 8 wait on their tiles' copies). H100, 4 x 64 at 32K, indices + lse: 6.89 ms
+    # of GPU time a call (CUDA graph replay) at 64 columns against 6.24 for the Triton scan
+    # (``bench_hytopk.py --sweep-stages``, benchmarks/notes.md), so none is the default.
     gluon_columns: int | None = None
     # How many keys above K a refine keeps, as a share of the room a scan segment leaves in the buffer
     # (``(SC - SEG) * BN - K``). A large share stops the radix select after fewer levels but leaves a
