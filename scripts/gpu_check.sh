@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, NCU_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages tests_topk, e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source and ncu_mla are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages tests_topk, e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, hytopk_presample, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source and ncu_mla are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -95,6 +95,12 @@ for s in $stages; do
         --sweep 32768 --sweep-stages --sweep-lse --reps 5
       stage hytopk_stages_h2d64 "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 2 --dim 64 \
         --sweep 131072 --sweep-stages --sweep-lse --reps 2 ;;
+    hytopk_presample)  # the pre-pass sampling every 16th key against the default 32nd where it is unmeasured (issue 23:
+      # 16 won at 4 x 64 / 32K on an H100 and lost at 2 x 64 / 128K on an H200, benchmarks/notes.md)
+      stage hytopk_presample_h2d64_32k "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 2 --dim 64 \
+        --sweep 32768 --sweep-set presample=16 --sweep-lse --reps 5
+      stage hytopk_presample_h4d64_128k "${HYTOPK_SMALL_S:-280}" python3 scripts/bench_hytopk.py --heads 4 --dim 64 \
+        --sweep 131072 --sweep-set presample=16 --sweep-lse --reps 2 ;;
     ncu_mla)  # Nsight Compute on the MLA Gluon forward and dS + dK/dV kernels at 32K (issue 26): one launch each,
       # the details page with its stall reasons. The forward inside the script's NVTX range; the backward runs
       # on autograd's own thread, outside any range the script opens, so its launch is counted from the
