@@ -68,10 +68,7 @@ def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr, L1: tl.c
     o = ob + tl.arange(0, OB)
     j = tl.arange(0, NS)
     m = o[:, None] < slots[None, :]
-    if L1:
-        x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".ca")
-    else:
-        x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".cg")
+    x = tl.load(row_ptr + o[:, None] * NS + j[None, :], mask=m, other=0, cache_modifier=".ca" if L1 else ".cg")
     return x, m
 
 
