@@ -73,12 +73,18 @@ def _load_slots(row_ptr, slots, ob, NS: tl.constexpr, OB: tl.constexpr, L1: tl.c
 
 
 @triton.jit
+def _sort_key(mono, index):
+    """The tie rule's int64 key of an int32 mono and a key index: ``((mono + 1) << 32) - 1 - index``,
+    mono in the high word and 2**32 - 1 - index in the low (``_key_index`` inverts it)."""
+    return ((mono.to(tl.int64) + 1) << 32) - 1 - index.to(tl.int64)
+
+
+@triton.jit
 def _key_bounds(th_row):
     """[lo, hi] holding every key of a row's buffer, from its state ``th_row[0:4]`` = (tau mono, tau
     index, smallest stored mono, largest stored mono): all stored keys are >= tau and their monos
     lie in the tracked range (the scan keeps it), so the radix select needs no min/max pass."""
-    t_mono = tl.load(th_row).to(tl.int64)
-    tau = ((t_mono + 1) << 32) - 1 - tl.load(th_row + 1).to(tl.int64)
+    tau = _sort_key(tl.load(th_row), tl.load(th_row + 1))
     lo = tl.maximum(tau, tl.load(th_row + 2).to(tl.int64) << 32)
     hi = ((tl.load(th_row + 3).to(tl.int64) + 1) << 32) - 1
     return lo, hi
@@ -301,7 +307,7 @@ def _append_keys(
     mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     finite = tl.abs(sc) < float("inf")
     mono = tl.where(finite, mono, _NAN_MONO)
-    # key = ((mono + 1) << 32) - 1 - index: mono in the high word, 2**32 - 1 - index in the low
+    # _sort_key(mono, index) as two words: mono in the high word, 2**32 - 1 - index in the low
     key = (mono.to(tl.int64) << 32) | (offs_n ^ -1).to(tl.uint32, bitcast=True).to(tl.int64)[:, None]
     keep = key >= th_key[None, :]
     if EDGE:
@@ -408,7 +414,7 @@ def hytopk_scan_kernel(
     # and fill[j, r] = keys in slot j of row r
     th_mono = tl.load(th_ptr + row_base * 4, mask=row_on, other=0)
     th_idx = tl.load(th_ptr + row_base * 4 + 1, mask=row_on, other=0)
-    th_key = ((th_mono.to(tl.int64) + 1) << 32) - 1 - th_idx.to(tl.int64)  # _key_bounds' tau
+    th_key = _sort_key(th_mono, th_idx)  # _key_bounds' tau
     # smallest / largest mono this launch scores, per (key offset, row): a range holding every key
     # it stores (unmasked: one op per score, and a wider range is still a valid bound), so the
     # refine and finalize kernels start their radix selects without a min/max pass
@@ -676,8 +682,7 @@ def _rescored_keys(
     bits = tl.where(bits == _I32_MIN, 0, bits)
     mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     mono = tl.where(tl.abs(sc) < float("inf"), mono, _NAN_MONO)
-    key = ((mono.to(tl.int64) + 1) << 32) - 1 - offs_n.to(tl.int64)
-    return key, mono, (offs_n >= start) & (offs_n <= end)
+    return _sort_key(mono, offs_n), mono, (offs_n >= start) & (offs_n <= end)
 
 
 @triton.jit
