@@ -1,5 +1,8 @@
-"""scripts/bench_hytopk.py's one-run A/B of a config knob: the sweep alternates the knob's other value
-with the default, and an old package without the knob (an A/B's baseline tree) times its default twice."""
+"""scripts/bench_hytopk.py's sweeps: the one-run A/B of a config knob alternates the knob's other value
+with the default, and an old package without the knob (an A/B's baseline tree) times its default twice;
+the stage sweep and ``--sweep-set`` bracket their variants with the default and check them first."""
+
+import pytest
 
 from tests.support.scripts import load_script
 
@@ -43,19 +46,13 @@ def test_sweep_set_changes_the_named_fields_between_two_defaults():
     assert configs[2].finalize_maxnreg is None and configs[3].presample_z == 4.5
 
 
-def test_sweep_set_rejects_an_unknown_field_or_value_before_running():
+@pytest.mark.parametrize(
+    "spec, error, words",
+    [("BQ", SystemExit, "FIELD=VALUE"), ("no_such_field=1", SystemExit, "FIELD=VALUE"),
+     ("BQ=four", SystemExit, "'four'"), ("lanes=0", ValueError, "lanes")],  # the last: HyTopKConfig's own check
+)
+def test_sweep_set_rejects_an_unknown_field_or_value_before_running(spec, error, words):
     bench = load_script("bench_hytopk")
     bench.H, bench.D = 4, 64
-    for spec, word in (("BQ", "FIELD=VALUE"), ("no_such_field=1", "FIELD=VALUE"), ("BQ=four", "'four'")):
-        try:
-            bench.override_configs([spec])
-        except SystemExit as e:
-            assert word in str(e)
-        else:
-            raise AssertionError(f"{spec} was accepted")
-    try:
-        bench.override_configs(["lanes=0"])  # HyTopKConfig's own check
-    except ValueError as e:
-        assert "lanes" in str(e)
-    else:
-        raise AssertionError("lanes=0 was accepted")
+    with pytest.raises(error, match=words):
+        bench.override_configs([spec])
