@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh e2e                  # end-to-end benchmark only
 # Extra arguments per benchmark come from E2E_ARGS, E2E_SMOLLM2_ARGS, PROFILE_ARGS, REPLAY_ARGS, HYTOPK_ARGS,
 # SATTN_ARGS, LM_LOSS_ARGS, NCU_ARGS, FSDP2_ARGS, LONG_ARGS, MEMORY_ARGS, CP_ARGS, SELECTIONS_ARGS; stage time limits from E2E_S, PROFILE_S, REPLAY_S, TESTS_S, FSDP2_S, FINETUNE_S, MEMORY_S, CP_S, SELECTIONS_S
-# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages tests_topk, e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, hytopk_presample, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source and ncu_mla are not in the default set (name them). The cp stage needs
+# (seconds), HYTOPK_SMALL_S, HEAD_PROBS_S, KL_S, NCU_S. Stages tests_topk, e2e_smollm2, e2e_share, long, memory, profile, cp, realmodel, selections, e2e_trained, profile_trained, hytopk_small, hytopk_stages, hytopk_presample, head_probs, kl_one_pass, ncu_hytopk, ncu_hytopk_source, ncu_mla and mla_bwd are not in the default set (name them). The cp stage needs
 # several GPUs (it uses all it sees). The fsdp2 stage needs 2 GPUs
 # (kind nvidia-h200-x2) and the datasets package (carried as wheels where the host lacks it). The
 # realmodel stage runs the main job's GPU preset on SmolLM2-135M: it needs datasets and gguf as wheels
@@ -112,6 +112,21 @@ for s in $stages; do
       stage ncu_mla_backward_dkv "${NCU_S:-100}" ncu --clock-control none -k regex:mla_backward_dkv_kernel \
         --launch-skip 45 --launch-count 1 --set full --page details --print-units base \
         python3 scripts/ncu_mla.py ${NCU_ARGS:-} ;;
+    mla_bwd)  # the MLA Gluon backward (issue 26): its GPU tests with one pass and with key passes in separate
+      # processes (a kernel fault is sticky: it fails every later test of its process), then the MLA benchmark
+      # at 32K; with AB_OLD=<a folder holding another hyscale_hf> that package's benchmark too, before and after
+      t="tests/kernels/sparse_attn/test_gpu.py tests/kernels/sparse_attn/test_mla_gpu.py tests/kernels/sparse_attn/test_key_passes.py"
+      stage mla_bwd_tests_one_pass "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t \
+        -k "one_pass or permuted_output"
+      stage mla_bwd_tests_key_passes "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t -k key_passes
+      sattn="scripts/bench_sparse_attention.py --budget-ms 1200 --skip gqa,dense --T 32768 --no-deterministic"
+      for arm in old new old2; do
+        if [ "$arm" = new ]; then
+          stage bench_mla 200 python3 $sattn --out "$RES/mla" ${SATTN_ARGS:-}
+        elif [ -n "${AB_OLD:-}" ]; then
+          stage "bench_mla_$arm" 200 env PYTHONPATH="$AB_OLD" python3 $sattn --out "$RES/mla_$arm" ${SATTN_ARGS:-}
+        fi
+      done ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
