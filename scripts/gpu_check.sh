@@ -114,18 +114,22 @@ for s in $stages; do
         python3 scripts/ncu_mla.py ${NCU_ARGS:-} ;;
     mla_bwd)  # the MLA Gluon backward (issue 26): its GPU tests with one pass and with key passes in separate
       # processes (a kernel fault is sticky: it fails every later test of its process), then the MLA benchmark
-      # at 32K; with AB_OLD=<a folder holding another hyscale_hf> that package's benchmark too, before and after
+      # at 32K; with AB_OLD="<folder> ..." (each holding another hyscale_hf) those packages' benchmarks too,
+      # before and after this tree's, in the same call
       t="tests/kernels/sparse_attn/test_gpu.py tests/kernels/sparse_attn/test_mla_gpu.py tests/kernels/sparse_attn/test_key_passes.py"
       stage mla_bwd_tests_one_pass "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t \
         -k "one_pass or permuted_output"
       stage mla_bwd_tests_key_passes "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t -k key_passes
       sattn="scripts/bench_sparse_attention.py --budget-ms 1200 --skip gqa,dense --T 32768 --no-deterministic"
-      for arm in old new old2; do
-        if [ "$arm" = new ]; then
+      for arm in before this after; do
+        if [ "$arm" = this ]; then
           stage bench_mla 200 python3 $sattn --out "$RES/mla" ${SATTN_ARGS:-}
-        elif [ -n "${AB_OLD:-}" ]; then
-          stage "bench_mla_$arm" 200 env PYTHONPATH="$AB_OLD" python3 $sattn --out "$RES/mla_$arm" ${SATTN_ARGS:-}
+          continue
         fi
+        for pkg in ${AB_OLD:-}; do
+          name="$(basename "$pkg")_$arm"
+          stage "bench_mla_$name" 200 env PYTHONPATH="$pkg" python3 $sattn --out "$RES/mla_$name" ${SATTN_ARGS:-}
+        done
       done ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
