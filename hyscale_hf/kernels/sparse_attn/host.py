@@ -589,7 +589,7 @@ def sparse_attention_bwd(
             if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
                 raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")
             slab = min(d1, qcfg["SLAB"])
-            kernels.sparse_attn_bwd_dq_kernel[(count, grid_heads, d1 // slab)](
+            kernels.sparse_attn_bwd_dq_kernel[(count * (d1 // slab), grid_heads)](
                 ds_buf, k, dq_idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
                 *k.stride(), *dq_idx.stride(), *dq.stride(), t0, dq_idx_t0, S, L, Hkv, group, nhb,
                 D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],

@@ -477,7 +477,9 @@ def sparse_attn_bwd_dq_kernel(
 ):  # fmt: skip
     """Split backward, part 2: dQ[:, SLAB columns] = dS @ K[selected, columns] for one token.
 
-    Grid (chunk_len, B * Hkv * NHB, D1 // SLAB); the last column slab also owns the D2 tail. Token t's
+    Grid (chunk_len * (D1 // SLAB), B * Hkv * NHB): a token's column slabs are neighbouring programs,
+    so they run together and its dS rows (1 GiB a chunk, far past L2) come from memory once, not once
+    a slab; the last column slab also owns the D2 tail. Token t's
     slots are row t - idx_t0 of IDX (0: IDX holds every token; the chunk's first token: IDX holds the
     chunk's regrouped slots, ``key_passes``), and it reads the first NUM[b, t] of them (the row's
     extent, a multiple of EXTENT_GRAIN), every one of which the dK/dV kernel wrote to dS (zeros where
@@ -485,9 +487,9 @@ def sparse_attn_bwd_dq_kernel(
     loaded count or by the loaded keys is not provably uniform over 16-slot runs, and the dS loads
     then lose their vector width and their pipelining (H200, 128K: 121 ms against 76).
     """
-    t_local = tl.program_id(0).to(tl.int64)
+    t_local = (tl.program_id(0) // (D1 // SLAB)).to(tl.int64)
     t = t_offset + t_local
-    j = tl.program_id(2)
+    j = tl.program_id(0) % (D1 // SLAB)
     hb, g, b = _head_block(num_head_blocks, num_kv_heads)
 
     heads, hmask = _block_heads(hb, g, group, BLOCK_H)
