@@ -11,6 +11,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, tma
 cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 # TMA global -> shared: ``async_load`` in newer Triton, ``async_copy_global_to_shared`` before
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# TMA shared -> global: ``async_store`` in newer Triton, ``async_copy_shared_to_global`` before
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # a partition's own barrier: ``barrier`` in newer Triton, ``thread_barrier`` before
 _HAS_THREAD_BARRIER = gl.constexpr(hasattr(gl, "thread_barrier"))
 

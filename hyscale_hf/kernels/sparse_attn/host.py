@@ -22,7 +22,7 @@ try:  # Triton is a Linux x86-64 dependency; elsewhere only the torch reference 
     import triton
 
     from . import triton_kernels as kernels
-    from .key_passes import key_passes
+    from .key_passes import key_pass_width, key_passes
     from .tile_head_probs import tile_head_probs
     from .tile_unions import tile_unions
 except ImportError:  # pragma: no cover
@@ -536,39 +536,50 @@ def sparse_attention_bwd(
     )  # fmt: skip
     grid_heads = B * Hkv * nhb
 
+    gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
+    passes = key_pass_count(acc, config) if gluon_dkv else 1
+    if split:
+        qcfg = launch_config("bwd_dq", group, Dqk, Dv, L, config)
+        if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
+            raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")
+    # dS slots a row: the Gluon kernel's TMA stores need rows of a multiple of SLOT_ALIGN, and key
+    # passes regroup the slots into aligned groups (key_passes.py), their walks ending on a dQ block
+    ds_width = L
+    if gluon_dkv:
+        align = mla_backward_gluon.SLOT_ALIGN
+        ds_width = key_pass_width(L, passes, align, qcfg["BLOCK_N"]) if passes > 1 else triton.cdiv(L, align) * align
+
     # Programs go in chunks when a per-chunk buffer is needed: dS (split kernels) or scratch.
     chunk = units
     if split:
-        chunk = min(chunk, DS_BYTES // (B * Hq * L * q.element_size()))
+        chunk = min(chunk, DS_BYTES // (B * Hq * ds_width * q.element_size()))
     if deterministic:
         chunk = min(chunk, SCRATCH_BYTES // (B * L * Hkv * nhb * ncol * 4))
     chunk = max(1, chunk)
-    ds_buf = torch.empty(B, chunk, Hq, L, dtype=q.dtype, device=q.device) if split else None
+    ds_buf = torch.empty(B, chunk, Hq, ds_width, dtype=q.dtype, device=q.device) if split else None
     if deterministic:
         target = torch.empty(B * chunk * L, Hkv * nhb, ncol, dtype=torch.float32, device=q.device)
         tstrides = (0, target.stride(0), target.stride(1))
     else:
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
 
-    gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
     tiled_probs = psum is not None and tiled and config.tiled_head_probs and Hq * (d1 + d2) <= TILE_PROBS_MAX_WIDTH
     fused_psum = psum is not None and not split and not deterministic and not tiled_probs
     if tiled_probs:
         tile_head_probs(q, k, lists, lse, scale, psum, d1, d2, launch_config("probs_tiled", group, Dqk, Dv, L, config),
                         _dot_precision(q.dtype))
     psum_t = psum if fused_psum else lse  # any fp32 tensor of rank 3; unread without HAS_PSUM
-    passes = key_pass_count(acc, config) if gluon_dkv else 1
     for t0 in range(0, units, chunk):
         count = min(chunk, units - t0)
-        dq_idx, dq_idx_t0 = idx, 0  # the slots dS was written for
+        dq_idx, dq_num, dq_idx_t0 = idx, lists.num, 0  # the slots dS was written for, and their extents
         if gluon_dkv:
             z = _unit_dims_zeroed
             walks = [(idx, None)]  # (slots, key pass) of each launch
             if passes > 1:  # the chunk's slots regrouped by key range, one launch per range (key_passes.py)
-                idx_p, perm, off = key_passes(idx.contiguous(), t0, count, T, passes)
+                idx_p, perm, off = key_passes(idx.contiguous(), t0, count, T, passes, align, qcfg["BLOCK_N"])
                 delta = row_delta(z(o), z(do), dlse, t0, count)
                 walks = [(idx_p, (p, perm, off, delta)) for p in range(passes)]
-                dq_idx, dq_idx_t0 = idx_p, t0
+                dq_idx, dq_num, dq_idx_t0 = idx_p, off[:, :, passes], t0
             for walk_idx, key_pass in walks:
                 mla_backward_gluon.mla_backward_dkv(
                     z(q), z(k), walk_idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale,
@@ -585,13 +596,11 @@ def sparse_attention_bwd(
                 t0, count, S, L, Hkv, group, nhb, scale, scale * _LOG2E, SCRATCH=deterministic, **common,
             )  # fmt: skip
         if split:
-            qcfg = launch_config("bwd_dq", group, Dqk, Dv, L, config)
-            if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
-                raise ValueError(f"bwd_dq BLOCK_N = {qcfg['BLOCK_N']} must divide EXTENT_GRAIN = {EXTENT_GRAIN}")
             slab = min(d1, qcfg["SLAB"])
             kernels.sparse_attn_bwd_dq_kernel[(count * (d1 // slab), grid_heads)](
-                ds_buf, k, dq_idx, lists.num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
-                *k.stride(), *dq_idx.stride(), *dq.stride(), t0, dq_idx_t0, S, L, Hkv, group, nhb,
+                ds_buf, k, dq_idx, dq_num, dq, ds_buf.stride(0), ds_buf.stride(1), ds_buf.stride(2),
+                *k.stride(), *dq_idx.stride(), *dq_num.stride(), *dq.stride(), t0, dq_idx_t0, dq_idx.shape[2],
+                Hkv, group, nhb,
                 D1=d1, D2=d2, SLAB=slab, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=qcfg["BLOCK_N"],
                 DOT_PREC=_dot_precision(q.dtype),
                 num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"],

@@ -15,8 +15,11 @@ one program (one query token, 64 heads) runs three warpgroups:
 - the default partition loads Q and dO once, gathers the selected K rows of each 64-key block
   (``cp.async``) into one slot, runs S = Q K^T and dP = dO V^T (v = k[..., :512]), and as soon as
   those products are done (nothing else reads K) starts the next block's gather; it then forms
-  P = exp2(S * scale * log2 e - lse) and dS = P * (dP - delta), writes ``scale * dS`` to the dS
-  buffer, and hands P and ``scale * dS`` (bf16/fp16) to the other two through shared memory;
+  P = exp2(S * scale * log2 e - lse) and dS = P * (dP - delta), and hands P and ``scale * dS``
+  (bf16/fp16) to the other two through shared memory, from where one TMA store also writes that
+  dS tile to the dS buffer (``ds_desc``: [64 heads, 64 slots], 128-byte rows). Stored from the
+  accumulator's registers, each warp's store covered 16 bytes of 8 rows: Nsight Compute (H100,
+  32K) counted 7.9 of each 32-byte sector used, 9% of the kernel's L2 sectors wasted;
 - two contribution warpgroups each own 256 of the 512 value columns: C = (scale dS)^T Q[:, cols] +
   P^T dO[:, cols], a [64 keys, 256] fp32 tile whose rows are key rows. The accumulator layout gives
   each thread pairs of adjacent columns; a conversion within each warp (shuffles, no shared memory)
@@ -41,13 +44,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..gluon_hopper import sync_partition as _sync_partition
+from ..gluon_hopper import tma_store as _tma_store
 from .mla_gather_gluon import BLOCK, D_ROPE, D_V, block_keys, copy_rows, gather_block
 
+# dS goes out by TMA, whose global address must be 16-byte aligned (else an illegal instruction):
+# 8 bf16 / fp16 slots for the rows' pitch and for each tile's first column (key passes: key_passes' align)
+SLOT_ALIGN = 8
 HEADS = gl.constexpr(64)  # heads per program: the M side of S and dP, the K side of the contributions
 HALF_V = gl.constexpr(256)  # value columns per contribution warpgroup
 PSUM_N = gl.constexpr(8)  # N of the head sums' product (wgmma's smallest)
@@ -60,7 +69,7 @@ _N_BARRIERS = gl.constexpr(2)
 
 @gluon.jit
 def _softmax_partition(
-    q_base, s_qh, do_base, s_doh, o_base, s_oh, lse_base, s_lh, dlse_base, s_dlh, ds_base, s_dsh,
+    q_base, s_qh, do_base, s_doh, o_base, s_oh, lse_base, s_lh, dlse_base, s_dlh, ds_desc, ds_row, ds_col,
     k_base, s_kt, idx_base, count, n_blocks, sm_scale, qk_scale, delta_base, s_deh,
     q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE: gl.constexpr,
     PASSES: gl.constexpr,
@@ -110,7 +119,6 @@ def _softmax_partition(
 
     zero = gl.zeros([HEADS, BLOCK], gl.float32, MMA)
     offs = gl.arange(0, BLOCK, layout=KEY)
-    ds_rows = ds_base + heads[:, None].to(gl.int64) * s_dsh
     for j in range(n_blocks):
         # the next block's key ids, loaded before this block's products so that their latency is
         # hidden and the next gather can start as soon as the products have read the K slot
@@ -125,20 +133,24 @@ def _softmax_partition(
         _sync_partition()  # every warp's products have read the K slot
         if j + 1 < n_blocks:  # the next gather runs beside this block's softmax and contributions
             gather_block(k_base, s_kt, kid_next_rows, kv_smem, rope_smem, cols)
-        slot = j * BLOCK + offs
         kid = block_keys(idx_base, count, j, offs)  # in L1: read for this block's gather (a [64] tile of
         # key ids in this layout held across the products would make the partition spill)
         p = gl.where((kid >= 0)[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = ((p * (dp - delta[:, None])) * sm_scale).to(ds_smem.dtype)
-        gl.store(ds_rows + slot[None, :], ds, mask=(slot < count)[None, :])
-        if j > 0:  # the contributions of block j - 1 are formed: P and dS may be overwritten
+        if j > 0:  # the contributions of block j - 1 are formed, and its dS store read its tile
             mbarrier.wait(bars.index(_PDS_FREE), (j - 1) & 1)
+            tma.store_wait(0)
         p_smem.store(p.to(p_smem.dtype))
         ds_smem.store(ds)
         fence_async_shared()
         _sync_partition()
         mbarrier.arrive(bars.index(_PDS_READY), count=1)
+        # slots past the walk's end (to the block's end, clipped at ds's width) get dS = 0: p is 0
+        # there. With key passes those are the gap before the next group and that group's slots,
+        # which the next pass's launch writes afterwards.
+        _tma_store(ds_desc, [ds_row, ds_col + j * BLOCK], ds_smem)
     async_copy.wait_group(0)  # no copy may outlive the program
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -204,14 +216,16 @@ def _contribution_partition(
             if WITH_PSUM:
                 head_sum = gl.sum(sums, axis=1)  # within each row's lanes: the other columns are 0
                 slot = j * BLOCK + keys_sum
-                if use_perm:  # a pass walks regrouped slots: the sums go to the original ones
-                    slot_out = gl.load(perm_base + slot, mask=slot < count, other=0)
+                if use_perm:  # a pass walks regrouped slots: the sums go to the original ones (-1: none)
+                    slot_out = gl.load(perm_base + slot, mask=slot < count, other=-1)
+                    out = slot_out >= 0
                 else:
                     slot_out = slot
+                    out = slot < count
                 if psum_atomic:
-                    gl.atomic_add(psum_base + slot_out, head_sum, mask=slot < count, sem="relaxed")
+                    gl.atomic_add(psum_base + slot_out, head_sum, mask=out, sem="relaxed")
                 else:
-                    gl.store(psum_base + slot_out, head_sum, mask=slot < count)
+                    gl.store(psum_base + slot_out, head_sum, mask=out)
             gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
         kid = kid_next
 
@@ -244,37 +258,40 @@ def _contribution_high(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope
 
 @gluon.jit
 def mla_backward_dkv_kernel(
-    q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_ptr, acc_ptr,
+    q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_desc, acc_ptr,
     s_qb, s_qs, s_qh, s_kb, s_kt, s_ib, s_is, s_nb, s_ob, s_os, s_oh, s_dob, s_dos, s_doh,
-    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, s_dsb, s_dss, s_dsh, s_ab, s_at, psum_ptr, s_pb, s_ps,
-    off_ptr, s_fb, s_fs, pass_idx, num_passes, perm_ptr, delta_ptr, s_eb, s_es, s_eh,
+    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, ds_rows, s_ab, s_at, psum_ptr, s_pb, s_ps,
+    off_ptr, s_fb, s_fs, pass_idx, perm_ptr, delta_ptr, s_eb, s_es, s_eh,
     t_offset, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr, PSUM: gl.constexpr,
     PASSES: gl.constexpr,
 ):  # fmt: skip
     """Query token t = t_offset + program_id(0), heads 64 * hb + [0, 64) of batch b (program_id(1)
-    = b * num_head_blocks + hb): dS of its first num[b, t] index slots to ds[b, program_id(0)] and
-    the pairs' contributions into acc[b, key]; with PSUM (1: store, 2: atomic add, for several head
-    blocks) also the slots' head-summed P to psum[b, t].
+    = b * num_head_blocks + hb): dS of its first num[b, t] index slots to ds[b, program_id(0)]
+    (``ds_desc``: ds as [B * ds_rows * H, W], a [64, 64] box, one TMA store a block) and the pairs'
+    contributions into acc[b, key]; with PSUM (1: store, 2: atomic add, for several head blocks) also
+    the slots' head-summed P to psum[b, t].
 
     With PASSES, idx is the chunk's regrouped slots (``key_passes``: row program_id(0), the same
-    strides as perm) and the program walks pass ``pass_idx``'s slots [off[.., p], off[.., p + 1]),
-    the last of ``num_passes`` on to num[b, t] over the row's -1 slots: their dS to the same slots of ds, their head sums to psum at the original slots (perm), and
-    delta (rowsum(dO * O) - dlse) read from delta[b, program_id(0)] instead of computed."""
+    strides as perm) and the program walks pass ``pass_idx``'s slots [off[.., p], off[.., p + 1])
+    (each group 8-slot aligned, so that the TMA stores' columns are 16-byte aligned; the last pass
+    ends at the walk's end over -1 slots): their dS to the same slots of ds, their head sums to psum
+    at the original slots (perm), and delta (rowsum(dO * O) - dlse) read from delta[b,
+    program_id(0)] instead of computed."""
     t_local = gl.program_id(0).to(gl.int64)
     t = t_offset + t_local
     hb = gl.program_id(1) % num_head_blocks
     b = (gl.program_id(1) // num_head_blocks).to(gl.int64)
     h0 = (hb * HEADS).to(gl.int64)
-    ds_base = ds_ptr + b * s_dsb + t_local * s_dss + h0 * s_dsh
+    ds_row = ((b * ds_rows + t_local) * (num_head_blocks * HEADS) + h0).to(gl.int32)  # the heads' first row
+    ds_col = 0
     if PASSES:
         lo = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx)
-        if pass_idx == num_passes - 1:  # on over the -1 slots to the extent: dS zeros, as one pass
-            count = gl.load(num_ptr + b * s_nb + t) - lo
-        else:
-            count = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx + 1) - lo
+        # to the next group (its -1 gap included) or, in the last pass, to the walk's end: dS zeros
+        # over the -1 slots up to where the dQ kernel reads, as one pass writes them up to the extent
+        count = gl.load(off_ptr + b * s_fb + t_local * s_fs + pass_idx + 1) - lo
         idx_base = idx_ptr + b * s_ib + t_local * s_is + lo
         perm_base = perm_ptr + b * s_ib + t_local * s_is + lo
-        ds_base += lo
+        ds_col = lo
     else:
         count = gl.load(num_ptr + b * s_nb + t)
         idx_base = idx_ptr + b * s_ib + t * s_is
@@ -289,7 +306,7 @@ def mla_backward_dkv_kernel(
     kv_smem = gl.allocate_shared_memory(dt, [BLOCK, D_V], MMA_SMEM)
     rope_smem = gl.allocate_shared_memory(dt, [BLOCK, D_ROPE], MMA_SMEM)
     p_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], MMA_SMEM)
-    ds_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], MMA_SMEM)
+    ds_smem = gl.allocate_shared_memory(dt, [HEADS, BLOCK], ds_desc.layout)  # the TMA store's source
     # the head sums' B operand: [heads, 8] with ones in column 0 (1 KB; 16-byte rows, no swizzle)
     ONES_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     ones_smem = gl.allocate_shared_memory(dt, [HEADS, PSUM_N], ONES_SMEM)
@@ -311,7 +328,7 @@ def mla_backward_dkv_kernel(
             (_softmax_partition, (
                 q_ptr + b * s_qb + t * s_qs + h0 * s_qh, s_qh, do_ptr + b * s_dob + t * s_dos + h0 * s_doh, s_doh,
                 o_ptr + b * s_ob + t * s_os + h0 * s_oh, s_oh, lse_ptr + b * s_lb + t * s_ls + h0 * s_lh, s_lh,
-                dlse_ptr + b * s_dlb + t * s_dls + h0 * s_dlh, s_dlh, ds_base, s_dsh, k_ptr + b * s_kb, s_kt,
+                dlse_ptr + b * s_dlb + t * s_dls + h0 * s_dlh, s_dlh, ds_desc, ds_row, ds_col, k_ptr + b * s_kb, s_kt,
                 idx_base, count, n_blocks, sm_scale, qk_scale, delta_ptr + b * s_eb + t_local * s_es + h0 * s_eh, s_eh,
                 q_smem, q_rope_smem, do_smem, kv_smem, rope_smem, p_smem, ds_smem, bars, HAS_DLSE, PASSES)),
             (_contribution_low_psum if PSUM != 0 else _contribution_low, contribution_args),
@@ -344,18 +361,19 @@ def mla_backward_dkv(
 
     q [B, S, H, 576] (H a multiple of 64), k [B, T, 1, 576] with v = k[..., :512], idx [B, S, L] int32
     (-1 = no key), num [B, S] int32 (each row's extent), o / do [B, S, H, 512], lse (and dlse, or None)
-    fp32 [B, S, H]; writes ``scale * dS`` to ds [B, >= count, H, L] (q's dtype; slot columns of the walked
-    blocks) and adds into acc fp32 [B, T, 1, 576]. The caller checks what ``host`` checks for the Gluon
-    forward (sm_90, dtypes, unit inner strides, 16-byte aligned rows) and that o / do have them too.
+    fp32 [B, S, H]; writes ``scale * dS`` to ds [B, >= count, H, W] (contiguous, q's dtype, W >= L a
+    multiple of ``SLOT_ALIGN``: the walked blocks' slot columns, zeros past a row's extent to its last
+    block's end) and adds into acc fp32 [B, T, 1, 576]. The caller checks what ``host`` checks for the
+    Gluon forward (sm_90, dtypes, unit inner strides, 16-byte aligned rows) and that o / do have them too.
     ``psum`` (fp32 [B, S, L], zeros): each slot's P (rounded to q's dtype, as the dV product reads it)
     summed over the heads is stored there, or added with several head blocks (slots past a row's extent
     stay 0): the indexer KL's target for one [64 keys, 8] product per block.
 
     ``key_pass = (p, perm, off, delta)`` walks only pass p of the chunk's regrouped slots: idx is then
-    ``key_passes``' idx_p of these rows, perm / off its other outputs, and delta fp32 [B, count, H]
-    the rows' rowsum(dO * O) - dlse (``row_delta``). dS goes to ds in the regrouped slot order, the
-    last pass writing zeros over the -1 slots up to num: the passes together write what one pass
-    writes, permuted.
+    ``key_passes``' idx_p of these rows with ``align=SLOT_ALIGN`` (ds as wide), perm / off its other
+    outputs, and delta fp32 [B, count, H] the rows' rowsum(dO * O) - dlse (``row_delta``). dS goes to
+    ds in the regrouped slot order, the last pass writing zeros over the -1 slots up to the walk's
+    end: the dQ kernel then reads the regrouped slots up to off[..., P] as it reads one pass's up to num.
     """
     B, _, H, _ = q.shape
     if B * count == 0:
@@ -371,12 +389,18 @@ def mla_backward_dkv(
         pass_idx, perm, off, delta = key_pass
         if perm.stride() != idx.stride():
             raise ValueError("key_pass: perm must have idx's strides (both from key_passes)")
+    W = ds.shape[3]
+    if not ds.is_contiguous() or W % SLOT_ALIGN or W < idx.shape[2] or ds.data_ptr() % 16:
+        raise ValueError(f"ds must be contiguous, at least idx's {idx.shape[2]} slots wide in a multiple of "
+                         f"{SLOT_ALIGN} (TMA stores), got {tuple(ds.shape)}")
+    ds_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # ds_smem's
+    ds_desc = TensorDescriptor.from_tensor(ds.view(-1, W), [HEADS.value, BLOCK.value], ds_layout)
     mla_backward_dkv_kernel[(count, B * nhb)](
-        q, k, idx, num, o, do, lse, dl, ds, acc,
+        q, k, idx, num, o, do, lse, dl, ds_desc, acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(0), idx.stride(1),
         num.stride(0), o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), dl.stride(0), dl.stride(1), dl.stride(2),
-        ds.stride(0), ds.stride(1), ds.stride(2), acc.stride(0), acc.stride(1), ps, ps.stride(0), ps.stride(1),
-        off, off.stride(0), off.stride(1), pass_idx, off.shape[2] - 1, perm, delta, delta.stride(0), delta.stride(1), delta.stride(2),
+        ds.shape[1], acc.stride(0), acc.stride(1), ps, ps.stride(0), ps.stride(1),
+        off, off.stride(0), off.stride(1), pass_idx, perm, delta, delta.stride(0), delta.stride(1), delta.stride(2),
         t_offset, nhb, scale, qk_scale, HAS_DLSE=has_dlse, PSUM=mode, PASSES=key_pass is not None, num_warps=4,
     )  # fmt: skip

@@ -104,18 +104,28 @@ def mla_sparse_attention_reference(q_nope, q_rot, w_uk, kv, indices, value_dim: 
     return o, lse, attn_q
 
 
-def key_passes_reference(idx: torch.Tensor, t_offset: int, count: int, num_keys: int, passes: int):
-    """``key_passes.key_passes`` in torch: rows [t_offset, t_offset + count) of idx [B, S, L] with
-    their valid keys grouped by key range ``key // cdiv(num_keys, passes)``, in slot order within a
-    range, then the slots without a key (-1 in idx_p), in slot order. Returns ``(idx_p, perm, off)``."""
+def key_passes_reference(idx: torch.Tensor, t_offset: int, count: int, num_keys: int, passes: int,
+                         align: int = 1, grain: int = 1):  # fmt: skip
+    """``key_passes.key_passes`` in torch, row by row: rows [t_offset, t_offset + count) of idx [B, S,
+    L] with their valid keys grouped by key range ``key // cdiv(num_keys, passes)``, in slot order
+    within a range, each group from a multiple of ``align``, -1 (perm -1) in every other slot, and
+    ``off[..., passes]`` the last group's end rounded up to ``grain``. Returns ``(idx_p, perm, off)``."""
     rows = idx[:, t_offset : t_offset + count].long()
     B, S, L = rows.shape
+    width = -(-(L + (align - 1) * (passes - 1)) // grain) * grain
     span = -(-max(num_keys, 1) // passes)
-    group = torch.where(rows >= 0, rows // span, passes).clamp(max=passes)  # slots without a key last
-    order = torch.sort(group * L + torch.arange(L, device=idx.device), dim=-1).indices
-    valid = torch.gather(group, 2, order) < passes
-    idx_p = torch.where(valid, torch.gather(rows, 2, order), -1).to(torch.int32)
-    perm = order.to(torch.int32)
-    counts = torch.stack([(group == p).sum(-1) for p in range(passes)], dim=-1)
-    off = torch.cat([counts.new_zeros(B, S, 1), counts.cumsum(-1)], dim=-1).to(torch.int32)
+    idx_p = torch.full((B, S, width), -1, dtype=torch.int32, device=idx.device)
+    perm = torch.full_like(idx_p, -1)
+    off = torch.zeros(B, S, passes + 1, dtype=torch.int32, device=idx.device)
+    for b in range(B):
+        for r in range(S):
+            end = 0
+            for p in range(passes):
+                first = -(-end // align) * align
+                slots = torch.nonzero((rows[b, r] >= 0) & (rows[b, r] // span == p)).flatten()
+                idx_p[b, r, first : first + len(slots)] = rows[b, r, slots].to(torch.int32)
+                perm[b, r, first : first + len(slots)] = slots.to(torch.int32)
+                off[b, r, p] = first
+                end = first + len(slots)
+            off[b, r, passes] = -(-end // grain) * grain
     return idx_p, perm, off

@@ -469,9 +469,9 @@ def sparse_attn_bwd_dq_kernel(
     DS, K, IDX, NUM, DQ,
     stride_dsb, stride_dss, stride_dsh,
     stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_ib, stride_is, stride_ik,
+    stride_ib, stride_is, stride_ik, stride_nb, stride_ns,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    t_offset, idx_t0, num_queries, num_idx, num_kv_heads, group, num_head_blocks,
+    t_offset, idx_t0, num_idx, num_kv_heads, group, num_head_blocks,
     D1: tl.constexpr, D2: tl.constexpr, SLAB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -479,13 +479,14 @@ def sparse_attn_bwd_dq_kernel(
 
     Grid (chunk_len * (D1 // SLAB), B * Hkv * NHB): a token's column slabs are neighbouring programs,
     so they run together and its dS rows (1 GiB a chunk, far past L2) come from memory once, not once
-    a slab; the last column slab also owns the D2 tail. Token t's
-    slots are row t - idx_t0 of IDX (0: IDX holds every token; the chunk's first token: IDX holds the
-    chunk's regrouped slots, ``key_passes``), and it reads the first NUM[b, t] of them (the row's
-    extent, a multiple of EXTENT_GRAIN), every one of which the dK/dV kernel wrote to dS (zeros where
-    no key). The masks are by num_idx, which Triton specializes as a multiple of 16: a mask by a
-    loaded count or by the loaded keys is not provably uniform over 16-slot runs, and the dS loads
-    then lose their vector width and their pipelining (H200, 128K: 121 ms against 76).
+    a slab; the last column slab also owns the D2 tail. Token t's slots are row t - idx_t0 of IDX and
+    NUM (0: IDX holds every token and NUM [B, S] the rows' extents, multiples of EXTENT_GRAIN; the
+    chunk's first token: IDX holds the chunk's regrouped slots and NUM their walks' ends, multiples of
+    BLOCK_N, ``key_passes``), and it reads the first NUM[b, row] of them, every one of which the dK/dV
+    kernel wrote to dS (zeros where no key). The masks are by num_idx, which Triton specializes as a
+    multiple of 16: a mask by a loaded count or by the loaded keys is not provably uniform over
+    16-slot runs, and the dS loads then lose their vector width and their pipelining (H200, 128K:
+    121 ms against 76).
     """
     t_local = (tl.program_id(0) // (D1 // SLAB)).to(tl.int64)
     t = t_offset + t_local
@@ -505,7 +506,7 @@ def sparse_attn_bwd_dq_kernel(
     if D2 > 0:
         offs_d2 = D1 + tl.arange(0, D2)
         acc2 = tl.zeros([BLOCK_H, D2], tl.float32)
-    count = tl.load(NUM + b * num_queries + t)
+    count = tl.load(NUM + b * stride_nb + (t - idx_t0) * stride_ns)
     for start in range(0, count, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         in_row = offs_n < num_idx

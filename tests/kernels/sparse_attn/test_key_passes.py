@@ -10,43 +10,48 @@ from hyscale_hf.kernels.sparse_attn.naive import key_passes_reference
 
 triton = pytest.importorskip("triton")
 from hyscale_hf.kernels.sparse_attn import host  # noqa: E402
-from hyscale_hf.kernels.sparse_attn.key_passes import key_passes  # noqa: E402
+from hyscale_hf.kernels.sparse_attn.key_passes import key_pass_width, key_passes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def assert_same(idx, t0, count, T, passes):
-    got = key_passes(idx, t0, count, T, passes)
-    want = key_passes_reference(idx, t0, count, T, passes)
+def assert_same(idx, t0, count, T, passes, align=1, grain=1):
+    got = key_passes(idx, t0, count, T, passes, align, grain)
+    want = key_passes_reference(idx, t0, count, T, passes, align, grain)
     idx_p, perm, off = got
     assert idx_p.shape == want[0].shape and off.shape == want[2].shape
     assert torch.equal(idx_p, want[0]) and torch.equal(perm, want[1]) and torch.equal(off, want[2])
     return got
 
 
-@pytest.mark.parametrize("passes", [1, 3, 8])
-def test_matches_reference_and_keeps_every_pair(passes):
+@pytest.mark.parametrize(("passes", "align", "grain"), [(1, 1, 1), (3, 1, 1), (8, 1, 1), (3, 8, 64), (8, 8, 16)])
+def test_matches_reference_and_keeps_every_pair(passes, align, grain):
     g = torch.Generator().manual_seed(passes)
     B, S, L, T = 2, 7, 1100, 3000  # L over the kernel's 1024-slot step
     idx = torch.randint(-1, T, (B, S, L), generator=g).to(torch.int32)
     idx[0, 3] = -1  # a row without keys
     idx = idx.to(DEVICE)
-    idx_p, perm, off = assert_same(idx, 2, 4, T, passes)
+    idx_p, perm, off = assert_same(idx, 2, 4, T, passes, align, grain)
+    assert idx_p.shape[2] == key_pass_width(L, passes, align, grain) and idx_p.shape[2] % grain == 0
     rows = idx[:, 2:6]
+    span = -(-T // passes)
     for b in range(B):
         for r in range(4):
-            n = int(off[b, r, -1])
-            assert n == int((rows[b, r] >= 0).sum())
-            # the regrouped slots hold exactly the row's keys at their original slots, by range
-            assert torch.equal(rows[b, r].long()[perm[b, r, :n].long()], idx_p[b, r, :n].long())
-            assert bool((idx_p[b, r, n:] == -1).all())
-            # perm is a permutation of the row's slots: the slots without a key follow, in slot order
-            assert torch.equal(perm[b, r].sort().values, torch.arange(perm.shape[2], device=perm.device, dtype=perm.dtype))
-            assert bool((rows[b, r][perm[b, r, n:].long()] < 0).all()) and bool((perm[b, r, n:].diff() > 0).all())
-            span = -(-T // passes)
+            row = rows[b, r].long()
+            is_key = torch.zeros(idx_p.shape[2], dtype=torch.bool, device=idx.device)
             for p in range(passes):
-                seg = idx_p[b, r, off[b, r, p] : off[b, r, p + 1]]
-                assert bool(((seg // span) == p).all())
+                # pass p's keys, in slot order, from a multiple of align
+                slots = torch.nonzero((row >= 0) & (row // span == p)).flatten()
+                first = int(off[b, r, p])
+                assert first % align == 0 and first >= (int(off[b, r, p - 1]) if p else 0)
+                assert torch.equal(perm[b, r, first : first + len(slots)].long(), slots)
+                assert torch.equal(idx_p[b, r, first : first + len(slots)].long(), row[slots])
+                is_key[first : first + len(slots)] = True
+                if p == passes - 1:  # the walk ends at the last key, rounded up to grain
+                    assert int(off[b, r, passes]) == -(-(first + len(slots)) // grain) * grain
+            # every other slot: no key, no original slot
+            assert bool((idx_p[b, r][~is_key] == -1).all()) and bool((perm[b, r][~is_key] == -1).all())
+            assert int(is_key.sum()) == int((row >= 0).sum())
     assert int(off[0, 1, -1]) == 0
 
 
@@ -56,6 +61,10 @@ def test_refuses_what_it_cannot_walk():
         key_passes(idx, 0, 4, 8, 0)
     with pytest.raises(ValueError, match="idx must be int32"):
         key_passes(idx.long(), 0, 4, 8, 2)
+    with pytest.raises(ValueError, match="align"):
+        key_passes(idx, 0, 4, 8, 2, align=6)
+    with pytest.raises(ValueError, match="grain"):
+        key_passes(idx, 0, 4, 8, 2, align=8, grain=12)
 
 
 def test_pass_count_follows_the_accumulator_bytes():
@@ -93,3 +102,36 @@ def test_row_delta_takes_the_models_output_gradient_past_2_to_the_31_elements():
     got = host.row_delta(o, do, None, t0, count)
     want = (do[:, t0:].float() * o[:, t0:].float()).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+
+
+def test_dq_kernel_reads_the_regrouped_rows_up_to_the_walk_end():
+    # The split backward's dQ kernel over a chunk's regrouped slots (the Gluon key-pass path, which
+    # only a GPU runs): row t - t0 of idx_p and of off[..., P] (the walk's end, a multiple of its
+    # BLOCK_N), dS in the regrouped order and wider than the selection. dS past the walk's end is
+    # NaN: the kernel must not read it.
+    from hyscale_hf.kernels.sparse_attn import triton_kernels
+
+    g = torch.Generator().manual_seed(0)
+    B, S, L, T, H, D1, D2, passes, t0, count, block_n = 1, 9, 44, 40, 4, 32, 16, 3, 3, 5, 16
+    idx = torch.randint(-1, T, (B, S, L), generator=g).to(torch.int32)
+    idx[0, 5] = -1  # a row without keys: dq 0
+    k = torch.randn(B, T, 1, D1 + D2, generator=g)
+    idx_p, _, off = key_passes(idx.to(DEVICE), t0, count, T, passes, 8, block_n)
+    W = idx_p.shape[2]
+    ds = torch.randn(B, count, H, W, generator=g)
+    walked = torch.arange(W)[None, None, :] < off[..., passes, None].cpu()
+    ds = torch.where((walked & (idx_p.cpu() >= 0))[:, :, None, :], ds, 0.0)  # zeros over -1 slots
+    ds = torch.where(walked[:, :, None, :], ds, float("nan"))
+    dq = torch.zeros(B, S, H, D1 + D2)
+    dq_num = off[:, :, passes]
+    k_, ds_, dq_ = k.to(DEVICE), ds.to(DEVICE), dq.to(DEVICE)
+    triton_kernels.sparse_attn_bwd_dq_kernel[(count * 2, B)](
+        ds_, k_, idx_p, dq_num, dq_, *ds_.stride()[:3], *k_.stride(), *idx_p.stride(), *dq_num.stride(),
+        *dq_.stride(), t0, t0, W, 1, H, 1, D1=D1, D2=D2, SLAB=16, BLOCK_H=H, BLOCK_N=block_n, DOT_PREC="ieee",
+    )  # fmt: skip
+    keys = torch.where(idx_p.cpu() >= 0, idx_p.cpu(), 0).long()
+    rows = k[0, keys[0], 0]  # [count, W, D]
+    want = torch.einsum("chw,cwd->chd", torch.nan_to_num(ds[0]) * (idx_p.cpu()[0] >= 0)[:, None, :], rows)
+    torch.testing.assert_close(dq_.cpu()[0, t0 : t0 + count], want, rtol=1e-5, atol=1e-5)
+    assert not dq_.cpu()[0, :t0].any() and not dq_.cpu()[0, t0 + count :].any()
+    assert not dq_.cpu()[0, 5].any()

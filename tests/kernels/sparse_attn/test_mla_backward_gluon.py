@@ -18,10 +18,10 @@ from tests.support.sm90_build import SM90_SHARED_BYTES, assert_warp_specialised,
 needs_gluon = pytest.mark.skipif(host.mla_backward_gluon is None, reason="needs Triton with Gluon's Hopper ops")
 
 PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr="*bf16", do_ptr="*bf16",
-            lse_ptr="*fp32", dlse_ptr="*fp32", ds_ptr="*bf16", acc_ptr="*fp32")
+            lse_ptr="*fp32", dlse_ptr="*fp32", ds_desc="tensordesc:bf16:64x64", acc_ptr="*fp32")
 INTS = ("s_qb s_qs s_qh s_kb s_kt s_ib s_is s_nb s_ob s_os s_oh s_dob s_dos s_doh s_lb s_ls s_lh s_dlb s_dls "
-        "s_dlh s_dsb s_dss s_dsh s_ab s_at").split()
-PASS = dict(off_ptr="*i32", s_fb="i32", s_fs="i32", pass_idx="i32", num_passes="i32", perm_ptr="*i32", delta_ptr="*fp32",
+        "s_dlh ds_rows s_ab s_at").split()
+PASS = dict(off_ptr="*i32", s_fb="i32", s_fs="i32", pass_idx="i32", perm_ptr="*i32", delta_ptr="*fp32",
             s_eb="i32", s_es="i32", s_eh="i32")
 TAIL = "t_offset num_head_blocks".split()
 ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at".split()
@@ -44,7 +44,7 @@ def sm90_build(request):
             kernel="mla_backward_dkv_kernel",
             signature=signature,
             constexprs={"HAS_DLSE": has_dlse, "PSUM": psum, "PASSES": passes},
-            aligned=list(PTRS) + ALIGNED + ["psum_ptr", "off_ptr", "perm_ptr", "delta_ptr"],
+            aligned=[n for n in PTRS if n != "ds_desc"] + ALIGNED + ["psum_ptr", "off_ptr", "perm_ptr", "delta_ptr"],
         )
     )
 
@@ -57,11 +57,13 @@ def test_fits_one_sm(sm90_build):
 
 @needs_gluon
 def test_warpgroups_are_specialised(sm90_build):
-    # cp.async gathers, wgmma products (m64n64 for S / dP, m64n256 for the contributions), and the
-    # value columns added 4 adjacent fp32 at a time (the rope tile in pairs)
+    # cp.async gathers, wgmma products (m64n64 for S / dP, m64n256 for the contributions), dS tiles
+    # stored by TMA from shared memory, and the value columns added 4 adjacent fp32 at a time (the rope
+    # tile in pairs)
     assert_warp_specialised(
         sm90_build,
         r"cp\.async",
+        r"cp\.async\.bulk\.tensor\.2d\.global\.shared",
         r"wgmma\.mma_async\.sync\.aligned\.m64n64k16",
         r"wgmma\.mma_async\.sync\.aligned\.m64n256k16",
         r"red\.global\.[a-z.]*add\.v4\.f32",
