@@ -121,16 +121,15 @@ for s in $stages; do
         -k "one_pass or permuted_output"
       stage mla_bwd_tests_key_passes "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t -k key_passes
       sattn="scripts/bench_sparse_attention.py --budget-ms 1200 --skip gqa,dense --T 32768 --no-deterministic"
-      for arm in before this after; do
-        if [ "$arm" = this ]; then
-          stage bench_mla 200 python3 $sattn --out "$RES/mla" ${SATTN_ARGS:-}
-          continue
-        fi
+      bench_old() {  # bench_old before|after: each AB_OLD package's benchmark
         for pkg in ${AB_OLD:-}; do
-          name="$(basename "$pkg")_$arm"
+          local name="$(basename "$pkg")_$1"
           stage "bench_mla_$name" 200 env PYTHONPATH="$pkg" python3 $sattn --out "$RES/mla_$name" ${SATTN_ARGS:-}
         done
-      done ;;
+      }
+      bench_old before
+      stage bench_mla 200 python3 $sattn --out "$RES/mla" ${SATTN_ARGS:-}
+      bench_old after ;;
     replay)
       stage bench_replay "${REPLAY_S:-300}" python3 scripts/bench_replay.py --out "$RES" ${REPLAY_ARGS:-} ;;
     e2e)
