@@ -37,8 +37,6 @@ HAS_TRITON = triton is not None
 
 _LOG2E = 1.4426950408889634
 
-# Bytes of fp32 scratch one deterministic backward chunk may use.
-SCRATCH_BYTES = 1 << 30
 # Bytes of the dS buffer [B, chunk, Hq, K] of the split (wide-row) backward.
 DS_BYTES = 1 << 30
 
@@ -85,10 +83,14 @@ class SparseAttentionConfig:
     ``mla_gluon``: the Hopper MLA forward (``mla_forward_gluon.py``) where it applies; False runs
     the Triton forward there (the same-run baseline of ``scripts/bench_sparse_attention.py``).
     ``mla_gluon_bwd``: the same for the dS + dK/dV kernel of the backward (``mla_backward_gluon.py``;
-    the atomic backward only: the deterministic one always runs the Triton kernels).
+    in the deterministic backward it stores each pair's contribution to scratch, as the Triton
+    kernel does there).
     ``mla_bwd_pass_bytes``: that kernel's fp32 accumulator (B * T rows of 576) is added to in key
     passes of at most this many bytes each, so each pass's atomics stay in L2 (``key_passes.py``);
     0 adds in one pass.
+    ``det_scratch_bytes``: the deterministic backward stores each (query, key) pair's fp32
+    contribution to scratch and sums each key's rows in a fixed order; its queries go in chunks
+    whose scratch is at most this many bytes (at least one query a chunk).
 
     ``tiled_head_probs``: on query tiles, a ``HeadProbs`` target comes from its own kernel
     (``tile_head_probs.py``: one program per tile and all heads, no atomics, deterministic); False
@@ -106,7 +108,14 @@ class SparseAttentionConfig:
     mla_gluon: bool = True
     mla_gluon_bwd: bool = True
     mla_bwd_pass_bytes: int = 32 << 20
+    det_scratch_bytes: int = 4 << 30
     tiled_head_probs: bool = True
+
+    def __post_init__(self):
+        for name in ("mla_bwd_pass_bytes", "det_scratch_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"SparseAttentionConfig.{name} must be an int >= 0 (bytes), got {value!r}")
 
     def overrides(self, kind: str) -> dict:
         """The launch overrides of kernel ``kind`` ("fwd", "bwd", "bwd_dq", "fwd_tiled", "bwd_tiled",
@@ -201,13 +210,14 @@ def _gluon_mla_forward_applies(
     )
 
 
-def _gluon_mla_backward_applies(q, k, v_from_k: bool, lists: KeyLists, o, do, deterministic: bool,
+def _gluon_mla_backward_applies(q, k, v_from_k: bool, merge_dv: bool, lists: KeyLists, o, do,
                                 config: SparseAttentionConfig) -> bool:
     """The Hopper dS + dK/dV kernel (``mla_backward_gluon``) takes what the Gluon forward takes, with
     o and dO in q's dtype (the kernel reads them as such) and the same row form (unit inner stride,
-    16-byte aligned rows), for the atomic backward; ``SparseAttentionConfig(mla_gluon_bwd=False)``
-    turns it off."""
-    if mla_backward_gluon is None or deterministic or not config.mla_gluon_bwd:
+    16-byte aligned rows), where v's gradient is merged into k's (it adds P^T dO into k's first 512
+    columns: with v = k[..., :512].detach() that would be wrong); ``SparseAttentionConfig(
+    mla_gluon_bwd=False)`` turns it off."""
+    if mla_backward_gluon is None or not merge_dv or not config.mla_gluon_bwd:
         return False
     if not _gluon_mla_forward_applies(q, k, v_from_k, lists, dataclasses.replace(config, mla_gluon=True)):
         return False
@@ -536,8 +546,11 @@ def sparse_attention_bwd(
     )  # fmt: skip
     grid_heads = B * Hkv * nhb
 
-    gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, lists, o, do, deterministic, config)
-    passes = key_pass_count(acc, config) if gluon_dkv else 1
+    gluon_dkv = split and _gluon_mla_backward_applies(q, k, v_from_k, merge_dv, lists, o, do, config)
+    # key passes keep the atomics' targets in L2; the deterministic backward stores to scratch instead
+    passes = key_pass_count(acc, config) if gluon_dkv and not deterministic else 1
+    # the scratch's head blocks: the Gluon kernel's programs take 64 heads each, the Triton one's BLOCK_H
+    scratch_hb = q.shape[2] // mla_backward_gluon.HEADS.value if gluon_dkv else nhb
     if split:
         qcfg = launch_config("bwd_dq", group, Dqk, Dv, L, config)
         if EXTENT_GRAIN % qcfg["BLOCK_N"]:  # it would read dS slots past the row's extent
@@ -554,11 +567,11 @@ def sparse_attention_bwd(
     if split:
         chunk = min(chunk, DS_BYTES // (B * Hq * ds_width * q.element_size()))
     if deterministic:
-        chunk = min(chunk, SCRATCH_BYTES // (B * L * Hkv * nhb * ncol * 4))
+        chunk = min(chunk, config.det_scratch_bytes // (B * L * Hkv * scratch_hb * ncol * 4))
     chunk = max(1, chunk)
     ds_buf = torch.empty(B, chunk, Hq, ds_width, dtype=q.dtype, device=q.device) if split else None
     if deterministic:
-        target = torch.empty(B * chunk * L, Hkv * nhb, ncol, dtype=torch.float32, device=q.device)
+        target = torch.empty(B * chunk * L, Hkv * scratch_hb, ncol, dtype=torch.float32, device=q.device)
         tstrides = (0, target.stride(0), target.stride(1))
     else:
         target, tstrides = acc, (acc.stride(0), acc.stride(1), acc.stride(2))
@@ -569,6 +582,8 @@ def sparse_attention_bwd(
         tile_head_probs(q, k, lists, lse, scale, psum, d1, d2, launch_config("probs_tiled", group, Dqk, Dv, L, config),
                         _dot_precision(q.dtype))
     psum_t = psum if fused_psum else lse  # any fp32 tensor of rank 3; unread without HAS_PSUM
+    # the Gluon kernel adds several head blocks' sums by atomics: in a fixed result for at most two
+    gluon_psum = psum if gluon_dkv and (not deterministic or scratch_hb <= 2) else None
     for t0 in range(0, units, chunk):
         count = min(chunk, units - t0)
         dq_idx, dq_num, dq_idx_t0 = idx, lists.num, 0  # the slots dS was written for, and their extents
@@ -580,10 +595,11 @@ def sparse_attention_bwd(
                 delta = row_delta(z(o), z(do), dlse, t0, count)
                 walks = [(idx_p, (p, perm, off, delta)) for p in range(passes)]
                 dq_idx, dq_num, dq_idx_t0 = idx_p, off[:, :, passes], t0
+            dst = target[: B * count * L].view(B, count * L, scratch_hb, ncol) if deterministic else acc
             for walk_idx, key_pass in walks:
                 mla_backward_gluon.mla_backward_dkv(
-                    z(q), z(k), walk_idx, lists.num, z(o), z(do), lse, dlse, ds_buf, acc, t0, count, scale,
-                    scale * _LOG2E, psum=psum, key_pass=key_pass,
+                    z(q), z(k), walk_idx, lists.num, z(o), z(do), lse, dlse, ds_buf, dst, t0, count, scale,
+                    scale * _LOG2E, psum=gluon_psum, key_pass=key_pass, scratch=deterministic,
                 )  # fmt: skip
         elif split:
             args = (
@@ -614,14 +630,14 @@ def sparse_attention_bwd(
                 scale * _LOG2E, SCRATCH=deterministic, TILED=tiled, HAS_PSUM=fused_psum, **common,
             )  # fmt: skip
         if deterministic:
-            _reduce_scratch(idx[:, t0 : t0 + count], target, acc, nhb, ncol)
+            _reduce_scratch(idx[:, t0 : t0 + count], target, acc, scratch_hb, ncol)
     dk = acc[..., :Dqk].to(k.dtype)
     dv = None if merge_dv else acc[..., Dqk:].to(v.dtype)
-    return dq, dk, dv, psum is not None and (gluon_dkv or fused_psum or tiled_probs)
+    return dq, dk, dv, psum is not None and (gluon_psum is not None or fused_psum or tiled_probs)
 
 
 def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:
-    """acc[b, key] += the chunk's scratch rows of that key, summed in query order (no atomics)."""
+    """acc[b, key] += the chunk's scratch rows of that key, summed in a fixed order (no atomics)."""
     B, T, Hkv = acc.shape[0], acc.shape[1], acc.shape[2]
     batch_key = torch.arange(B, device=acc.device, dtype=torch.int64)[:, None, None] * T
     keys = torch.where(idx >= 0, idx.to(torch.int64) + batch_key, B * T).flatten()
@@ -636,5 +652,5 @@ def _reduce_scratch(idx, scratch, acc, nhb: int, ncol: int) -> None:
     kernels.scratch_reduce_kernel[(seg_key.numel(), Hkv, triton.cdiv(ncol, block_c))](
         scratch, perm, seg_start, seg_key, acc,
         scratch.stride(0), scratch.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        T, nhb, ncol, BLOCK_C=block_c,
+        T, nhb, ncol, BLOCK_R=32, BLOCK_C=block_c,
     )  # fmt: skip

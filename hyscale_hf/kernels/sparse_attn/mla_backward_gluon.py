@@ -1,11 +1,12 @@
 """MLA-absorbed sparse attention backward, dS and dK/dV part, for Hopper (sm_90), in Gluon.
 
 Host dispatch: ``host.sparse_attention_bwd`` (the shapes it takes are those of the Gluon forward,
-``mla_forward_gluon.py``, with the atomic, non-deterministic accumulation). It replaces the Triton
-kernel ``sparse_attn_bwd_dkv_kernel`` and keeps its contract: ``scale * dS`` (q's dtype) goes to the
-dS buffer that the Triton dQ kernel reads, and each (query, key) pair's contribution
+``mla_forward_gluon.py``, with v's gradient merged into k's). It replaces the Triton kernel
+``sparse_attn_bwd_dkv_kernel`` and keeps its contract: ``scale * dS`` (q's dtype) goes to the dS
+buffer that the Triton dQ kernel reads, and each (query, key) pair's contribution
 ``scale * dS^T Q + P^T dO`` (dV merged into the first 512 columns) is added to the fp32 key-row
-accumulator with fp32 atomics.
+accumulator with fp32 atomics, or, in the deterministic backward, stored to the pair's own fp32
+scratch row, which the host sums per key in a fixed order.
 
 Why a second kernel: the Triton kernel's 64 heads x 576 + 512 dims leave shared memory for blocks of
 16 keys only, its products run one after another with 16-wide tensor-core tiles, and its
@@ -156,7 +157,7 @@ def _softmax_partition(
 @gluon.jit
 def _contribution_partition(
     n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem, bars,
-    ones_smem, psum_base, psum_atomic, perm_base, use_perm,
+    ones_smem, psum_base, psum_atomic, perm_base, use_perm, use_scratch,
     COL0: gl.constexpr, WITH_ROPE: gl.constexpr, WITH_PSUM: gl.constexpr,
 ):  # fmt: skip
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -182,6 +183,7 @@ def _contribution_partition(
     if WITH_ROPE:
         r = gl.zeros([BLOCK, D_ROPE], gl.float32, ROPE)
         cols_r = D_V + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE))
+        keys_rope = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, ROPE))
     if WITH_PSUM:  # the head sums P^T 1 as a [keys, 8] product whose column 0 is the ones column
         SUMS: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PSUM_N, 16]
@@ -201,15 +203,18 @@ def _contribution_partition(
         else:
             c = warpgroup_mma_wait(0, deps=[c])
         c_red = gl.convert_layout(c, RED)
-        dst = acc_base + gl.where(kid >= 0, kid, 0).to(gl.int64)[:, None] * s_at
+        # the row a pair's contribution goes to: its key's accumulator row, or (scratch) its slot's own
+        row = gl.where(use_scratch, j * BLOCK + keys_red, gl.where(kid >= 0, kid, 0))
+        dst = acc_base + row.to(gl.int64)[:, None] * s_at
         if WITH_ROPE:  # the rope tile only after the value tile's atomics: both live would spill
-            gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
+            _add_or_store(dst + cols[None, :], c_red, (kid >= 0)[:, None], use_scratch)
             r = warpgroup_mma(ds_t, q_rope_smem, r, use_acc=False)
             _sync_partition()
             mbarrier.arrive(bars.index(_PDS_FREE), count=1)
             kid_r = gl.convert_layout(kid, gl.SliceLayout(1, ROPE))
-            dst_r = acc_base + gl.where(kid_r >= 0, kid_r, 0).to(gl.int64)[:, None] * s_at
-            gl.atomic_add(dst_r + cols_r[None, :], r, mask=(kid_r >= 0)[:, None], sem="relaxed")
+            row_r = gl.where(use_scratch, j * BLOCK + keys_rope, gl.where(kid_r >= 0, kid_r, 0))
+            dst_r = acc_base + row_r.to(gl.int64)[:, None] * s_at
+            _add_or_store(dst_r + cols_r[None, :], r, (kid_r >= 0)[:, None], use_scratch)
         else:
             _sync_partition()
             mbarrier.arrive(bars.index(_PDS_FREE), count=1)
@@ -226,41 +231,53 @@ def _contribution_partition(
                     gl.atomic_add(psum_base + slot_out, head_sum, mask=out, sem="relaxed")
                 else:
                     gl.store(psum_base + slot_out, head_sum, mask=out)
-            gl.atomic_add(dst + cols[None, :], c_red, mask=(kid >= 0)[:, None], sem="relaxed")
+            _add_or_store(dst + cols[None, :], c_red, (kid >= 0)[:, None], use_scratch)
         kid = kid_next
+
+
+@gluon.jit
+def _add_or_store(ptrs, values, mask, use_scratch):
+    """Contributions into key rows by fp32 atomics, or stored to the pairs' own scratch rows."""
+    if use_scratch:
+        gl.store(ptrs, values, mask=mask)
+    else:
+        gl.atomic_add(ptrs, values, mask=mask, sem="relaxed")
 
 
 # warp_specialize hands its partitions runtime values only, so the column half (a constexpr of the
 # shared-memory slice) and the head sums are fixed by one small entry function each
 @gluon.jit
 def _contribution_low(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                      bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm):  # fmt: skip
+                      bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm,
+                      use_scratch):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, 0, False,
-                            False)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, use_scratch,
+                            0, False, False)  # fmt: skip
 
 
 @gluon.jit
 def _contribution_low_psum(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                           ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm):  # fmt: skip
+                           ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm,
+                           use_scratch):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, 0, False,
-                            True)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, use_scratch,
+                            0, False, True)  # fmt: skip
 
 
 @gluon.jit
 def _contribution_high(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                       bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm):  # fmt: skip
+                       bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm,
+                       use_scratch):  # fmt: skip
     _contribution_partition(n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem,
-                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, HALF_V, True,
-                            False)  # fmt: skip
+                            ds_smem, bars, ones_smem, psum_base, psum_atomic, perm_base, use_perm, use_scratch,
+                            HALF_V, True, False)  # fmt: skip
 
 
 @gluon.jit
 def mla_backward_dkv_kernel(
     q_ptr, k_ptr, idx_ptr, num_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, ds_desc, acc_ptr,
     s_qb, s_qs, s_qh, s_kb, s_kt, s_ib, s_is, s_nb, s_ob, s_os, s_oh, s_dob, s_dos, s_doh,
-    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, ds_rows, s_ab, s_at, psum_ptr, s_pb, s_ps,
+    s_lb, s_ls, s_lh, s_dlb, s_dls, s_dlh, ds_rows, s_ab, s_at, s_ah, scratch_slots, psum_ptr, s_pb, s_ps,
     off_ptr, s_fb, s_fs, pass_idx, perm_ptr, delta_ptr, s_eb, s_es, s_eh,
     t_offset, num_head_blocks, sm_scale, qk_scale, HAS_DLSE: gl.constexpr, PSUM: gl.constexpr,
     PASSES: gl.constexpr,
@@ -269,7 +286,9 @@ def mla_backward_dkv_kernel(
     = b * num_head_blocks + hb): dS of its first num[b, t] index slots to ds[b, program_id(0)]
     (``ds_desc``: ds as [B * ds_rows * H, W], a [64, 64] box, one TMA store a block) and the pairs'
     contributions into acc[b, key]; with PSUM (1: store, 2: atomic add, for several head blocks) also
-    the slots' head-summed P to psum[b, t].
+    the slots' head-summed P to psum[b, t]. With scratch_slots > 0 (the deterministic backward) each
+    pair's contribution is stored, not added, to its own row acc[b, program_id(0) * scratch_slots +
+    slot] at head block hb (stride s_ah).
 
     With PASSES, idx is the chunk's regrouped slots (``key_passes``: row program_id(0), the same
     strides as perm) and the program walks pass ``pass_idx``'s slots [off[.., p], off[.., p + 1])
@@ -320,9 +339,11 @@ def mla_backward_dkv_kernel(
     mbarrier.init(bars.index(_PDS_FREE), count=2)
     fence_async_shared()
 
-    acc_base = acc_ptr + b * s_ab
+    # scratch: the program's pairs own rows t_local * scratch_slots + slot, head block hb's columns
+    acc_base = acc_ptr + b * s_ab + hb * s_ah + t_local * scratch_slots * s_at
     contribution_args = (n_blocks, count, idx_base, acc_base, s_at, q_smem, q_rope_smem, do_smem, p_smem, ds_smem,
-                         bars, ones_smem, psum_ptr + b * s_pb + t * s_ps, PSUM == 2, perm_base, pass_idx >= 0)  # fmt: skip
+                         bars, ones_smem, psum_ptr + b * s_pb + t * s_ps, PSUM == 2, perm_base, pass_idx >= 0,
+                         scratch_slots > 0)  # fmt: skip
     gl.warp_specialize(
         [
             (_softmax_partition, (
@@ -356,6 +377,7 @@ def mla_backward_dkv(
     qk_scale: float,
     psum: torch.Tensor | None = None,
     key_pass: tuple | None = None,
+    scratch: bool = False,
 ) -> None:
     """dS and the dK/dV contributions of query tokens [t_offset, t_offset + count).
 
@@ -368,6 +390,11 @@ def mla_backward_dkv(
     ``psum`` (fp32 [B, S, L], zeros): each slot's P (rounded to q's dtype, as the dV product reads it)
     summed over the heads is stored there, or added with several head blocks (slots past a row's extent
     stay 0): the indexer KL's target for one [64 keys, 8] product per block.
+
+    ``scratch``: acc is instead fp32 [B, count * L, H // 64, 576] (L = idx.shape[2]) and each (query,
+    slot, head block)'s contribution is stored to acc[b, (t - t_offset) * L + slot, head block], not
+    added (``host._reduce_scratch`` then sums each key's rows in a fixed order: the deterministic
+    backward). Rows of -1 slots are left unwritten. One pass only.
 
     ``key_pass = (p, perm, off, delta)`` walks only pass p of the chunk's regrouped slots: idx is then
     ``key_passes``' idx_p of these rows with ``align=SLOT_ALIGN`` (ds as wide), perm / off its other
@@ -389,6 +416,16 @@ def mla_backward_dkv(
         pass_idx, perm, off, delta = key_pass
         if perm.stride() != idx.stride():
             raise ValueError("key_pass: perm must have idx's strides (both from key_passes)")
+    L = idx.shape[2]
+    if scratch:
+        if key_pass is not None:
+            raise ValueError("scratch: the deterministic backward walks one pass (key_pass must be None)")
+        if tuple(acc.shape) != (B, count * L, nhb, acc.shape[3]) or acc.stride(3) != 1:
+            raise ValueError(f"scratch: acc must be [B, count * L, H // 64, C] = [{B}, {count * L}, {nhb}, C] with "
+                             f"unit column stride, got {tuple(acc.shape)}")
+        if mode == 2 and nhb > 2:  # fp32 adds of two head blocks onto 0 are exact in either order
+            raise ValueError("scratch: the head sums of more than 2 head blocks would add in no fixed order")
+    s_ah, scratch_slots = (acc.stride(2), L) if scratch else (0, 0)
     W = ds.shape[3]
     if not ds.is_contiguous() or W % SLOT_ALIGN or W < idx.shape[2] or ds.data_ptr() % 16:
         raise ValueError(f"ds must be contiguous, at least idx's {idx.shape[2]} slots wide in a multiple of "
@@ -400,7 +437,7 @@ def mla_backward_dkv(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(0), idx.stride(1),
         num.stride(0), o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), dl.stride(0), dl.stride(1), dl.stride(2),
-        ds.shape[1], acc.stride(0), acc.stride(1), ps, ps.stride(0), ps.stride(1),
+        ds.shape[1], acc.stride(0), acc.stride(1), s_ah, scratch_slots, ps, ps.stride(0), ps.stride(1),
         off, off.stride(0), off.stride(1), pass_idx, perm, delta, delta.stride(0), delta.stride(1), delta.stride(2),
         t_offset, nhb, scale, qk_scale, HAS_DLSE=has_dlse, PSUM=mode, PASSES=key_pass is not None, num_warps=4,
     )  # fmt: skip

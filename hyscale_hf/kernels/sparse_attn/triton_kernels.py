@@ -556,12 +556,15 @@ def scratch_reduce_kernel(
     SCR, PERM, SEG_START, SEG_KEY, ACC,
     stride_sp, stride_sh, stride_ab, stride_at, stride_ah,
     num_keys, num_head_blocks, num_cols,
-    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """ACC[b, key, g, cols] += sum of one key's scratch rows, in sorted (query) order.
+    """ACC[b, key, g, cols] += the sum of one key's scratch rows, in a fixed order: tiles of BLOCK_R
+    rows in sorted (query) order, each summed as one tile.
 
     Grid (unique keys of the chunk, Hkv, column blocks). Each (key, g, columns) has exactly one
-    program, so the read-modify-write needs no atomics and the order is fixed.
+    program, so the read-modify-write needs no atomics and the order is fixed. A tile of rows per
+    step rather than one row: the rows' addresses come from PERM, and one 256-byte load at a time
+    behind that dependent load left the reduction latency-bound.
     """
     u = tl.program_id(0)
     g = tl.program_id(1)
@@ -571,10 +574,13 @@ def scratch_reduce_kernel(
     hi = tl.load(SEG_START + u + 1)
     key = tl.load(SEG_KEY + u)
     acc = tl.zeros([BLOCK_C], tl.float32)
-    for i in range(lo, hi):
-        row = SCR + tl.load(PERM + i) * stride_sp + (g * num_head_blocks) * stride_sh
+    for i0 in range(lo, hi, BLOCK_R):
+        r = i0 + tl.arange(0, BLOCK_R)
+        rmask = r < hi
+        rows = SCR + tl.load(PERM + r, mask=rmask, other=0)[:, None] * stride_sp + (g * num_head_blocks) * stride_sh
         for hb in range(num_head_blocks):
-            acc += tl.load(row + hb * stride_sh + cols, mask=cmask, other=0.0)
+            tile = tl.load(rows + hb * stride_sh + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.sum(tile, axis=0)
     b = key // num_keys
     s = key % num_keys
     dst = ACC + b * stride_ab + s * stride_at + g * stride_ah + cols

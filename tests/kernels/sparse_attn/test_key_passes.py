@@ -75,6 +75,13 @@ def test_pass_count_follows_the_accumulator_bytes():
     assert host.key_pass_count(acc, config(mla_bwd_pass_bytes=1 << 20)) == 3
 
 
+@pytest.mark.parametrize("name", ["mla_bwd_pass_bytes", "det_scratch_bytes"])
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_config_refuses_byte_counts_that_are_not_counts(name, value):
+    with pytest.raises(ValueError, match=name):
+        host.SparseAttentionConfig(**{name: value})
+
+
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_row_delta_matches_torch(with_dlse):
     g = torch.Generator().manual_seed(0)

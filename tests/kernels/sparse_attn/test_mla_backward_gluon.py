@@ -20,11 +20,11 @@ needs_gluon = pytest.mark.skipif(host.mla_backward_gluon is None, reason="needs 
 PTRS = dict(q_ptr="*bf16", k_ptr="*bf16", idx_ptr="*i32", num_ptr="*i32", o_ptr="*bf16", do_ptr="*bf16",
             lse_ptr="*fp32", dlse_ptr="*fp32", ds_desc="tensordesc:bf16:64x64", acc_ptr="*fp32")
 INTS = ("s_qb s_qs s_qh s_kb s_kt s_ib s_is s_nb s_ob s_os s_oh s_dob s_dos s_doh s_lb s_ls s_lh s_dlb s_dls "
-        "s_dlh ds_rows s_ab s_at").split()
+        "s_dlh ds_rows s_ab s_at s_ah scratch_slots").split()
 PASS = dict(off_ptr="*i32", s_fb="i32", s_fs="i32", pass_idx="i32", perm_ptr="*i32", delta_ptr="*fp32",
             s_eb="i32", s_es="i32", s_eh="i32")
 TAIL = "t_offset num_head_blocks".split()
-ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at".split()
+ALIGNED = "s_qb s_qs s_qh s_kb s_kt s_ob s_os s_oh s_dob s_dos s_doh s_ab s_at s_ah".split()
 
 
 # (HAS_DLSE, PSUM, PASSES): without / with the lse gradient, the head-summed P stored or added, and
@@ -59,7 +59,7 @@ def test_fits_one_sm(sm90_build):
 def test_warpgroups_are_specialised(sm90_build):
     # cp.async gathers, wgmma products (m64n64 for S / dP, m64n256 for the contributions), dS tiles
     # stored by TMA from shared memory, and the value columns added 4 adjacent fp32 at a time (the rope
-    # tile in pairs)
+    # tile in pairs), or in the deterministic backward stored to scratch 4 at a time
     assert_warp_specialised(
         sm90_build,
         r"cp\.async",
@@ -67,6 +67,7 @@ def test_warpgroups_are_specialised(sm90_build):
         r"wgmma\.mma_async\.sync\.aligned\.m64n64k16",
         r"wgmma\.mma_async\.sync\.aligned\.m64n256k16",
         r"red\.global\.[a-z.]*add\.v4\.f32",
+        r"st\.global\.v4\.b32",
     )
 
 

@@ -68,11 +68,16 @@ def test_glm5_shape_matches_the_plain_composition_and_keeps_less(T):
 
 
 @pytest.mark.parametrize("heads", [64, 128])
-@pytest.mark.parametrize("pass_bytes", [None, 1 << 20], ids=["one_pass", "key_passes"])
-def test_head_probs_fused_in_the_gluon_backward_match_their_own_pass(heads, pass_bytes, monkeypatch):
+@pytest.mark.parametrize(
+    "pass_bytes,deterministic", [(None, False), (1 << 20, False), (None, True)],
+    ids=["one_pass", "key_passes", "deterministic"],
+)
+def test_head_probs_fused_in_the_gluon_backward_match_their_own_pass(heads, pass_bytes, deterministic, monkeypatch):
     """The indexer KL's target, summed over heads inside the Gluon dK/dV kernel (stored with one head
     block, added atomically with two), against ``attention_prob_sum``'s separate fp32 pass; with key
-    passes (9 at 1 MiB) each pass writes its regrouped slots' sums back to their original slots."""
+    passes (9 at 1 MiB) each pass writes its regrouped slots' sums back to their original slots. The
+    deterministic backward (contributions to scratch) takes them too: two head blocks' sums added
+    onto zero are the same in either order."""
     from hyscale_hf.kernels.indexer_kl import attention_prob_sum
     from hyscale_hf.kernels.sparse_attn import HeadProbs, host
 
@@ -94,7 +99,7 @@ def test_head_probs_fused_in_the_gluon_backward_match_their_own_pass(heads, pass
     slot = HeadProbs()
     scale = (N + R) ** -0.5
     o, lse, attn_q = mla_sparse_attention(q_nope, q_rot, w_uk, kv, idx, value_dim=C, scale=scale, backend="triton",
-                                          head_probs=slot)
+                                          head_probs=slot, deterministic=deterministic)
     o.float().sum().backward()
     assert calls and all(calls), "the Gluon dK/dV kernel did not take the head sums"
     got = slot.take()

@@ -124,7 +124,8 @@ def test_group_not_a_power_of_two_and_fewer_queries_than_keys():
 
 
 def test_deterministic_is_bitwise_reproducible_across_scratch_chunks(monkeypatch):
-    monkeypatch.setattr(host, "SCRATCH_BYTES", 4 * 20 * 48 * 3)  # 3 queries per chunk
+    # 3 queries per chunk
+    monkeypatch.setattr(host, "DEFAULT_CONFIG", host.SparseAttentionConfig(det_scratch_bytes=4 * 20 * 48 * 3))
     q, k, v, idx = make(B=1, S=10, T=16, Hq=16, Hkv=1, Dqk=48, Dv=32, K=20, v_mode="view")
     _, _, g1 = assert_matches_reference(q, k, v, idx, deterministic=True)
     _, _, g2 = forward_backward(triton_fn(True), q, k, v, idx)
