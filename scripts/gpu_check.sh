@@ -114,13 +114,13 @@ for s in $stages; do
         python3 scripts/ncu_mla.py ${NCU_ARGS:-} ;;
     mla_bwd)  # the MLA Gluon backward (issue 26): its GPU tests with one pass and with key passes in separate
       # processes (a kernel fault is sticky: it fails every later test of its process), then the MLA benchmark
-      # at 32K; with AB_OLD="<folder> ..." (each holding another hyscale_hf) those packages' benchmarks too,
+      # at 32K (atomic and deterministic backward); with AB_OLD="<folder> ..." (each holding another hyscale_hf) those packages' benchmarks too,
       # before and after this tree's, in the same call
       t="tests/kernels/sparse_attn/test_gpu.py tests/kernels/sparse_attn/test_mla_gpu.py tests/kernels/sparse_attn/test_key_passes.py"
       stage mla_bwd_tests_one_pass "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t \
-        -k "one_pass or permuted_output"
+        -k "one_pass or permuted_output or deterministic or detached_prefix"
       stage mla_bwd_tests_key_passes "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t -k key_passes
-      sattn="scripts/bench_sparse_attention.py --budget-ms 1200 --skip gqa,dense --T 32768 --no-deterministic"
+      sattn="scripts/bench_sparse_attention.py --budget-ms 1200 --skip gqa,dense --T 32768"
       bench_old() {  # bench_old before|after: each AB_OLD package's benchmark
         for pkg in ${AB_OLD:-}; do
           local name="$(basename "$pkg")_$1"

@@ -12,6 +12,12 @@ probe times the whole sparse attention backward (64 heads, Dqk 576, Dv 512, bf16
 Prints milliseconds and the ratio to one pass; writes JSON.
 
     python scripts/probe_dkv_passes.py --T 131072 --pass-mib 0 16 32 64 --out results/dkv_passes.json
+
+With ``--scratch-mib`` it times the deterministic backward instead, for each
+``SparseAttentionConfig.det_scratch_bytes`` (the first is the baseline): each chunk of queries stores
+its pairs' contributions to that much scratch before they are summed per key.
+
+    python scripts/probe_dkv_passes.py --T 32768 --scratch-mib 1024 2048 4096 --selections realistic
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def main():
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--pass-mib", type=int, nargs="+", default=[0, 8, 16, 32, 64])
+    ap.add_argument("--scratch-mib", type=int, nargs="+", help="time the deterministic backward at these scratch sizes")
     ap.add_argument("--selections", nargs="+", choices=("realistic", "step"), default=["realistic", "step"])
     ap.add_argument("--budget-ms", type=float, default=3000.0)
     ap.add_argument("--out", default="outputs/probe_dkv_passes.json")
@@ -40,7 +47,10 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("probe_dkv_passes.py times GPU kernels: it needs a CUDA device")
     T, H, Dqk, Dv = args.T, 64, 576, 512
-    res = dict(device=torch.cuda.get_device_name(), T=T, K=args.K, runs={})
+    det = args.scratch_mib is not None
+    sizes = args.scratch_mib if det else args.pass_mib
+    field = "det_scratch_bytes" if det else "mla_bwd_pass_bytes"
+    res = dict(device=torch.cuda.get_device_name(), T=T, K=args.K, deterministic=det, runs={})
     for name in args.selections:
         if name == "step":
             from probe_selection_sharing import step_selections  # this script's folder is on sys.path
@@ -53,8 +63,9 @@ def main():
         kv = torch.randn(1, T, 1, Dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         do = torch.randn(1, T, H, Dv, device="cuda", dtype=torch.bfloat16)
         runs = res["runs"][name] = {}
-        for mib in args.pass_mib:
-            o = sparse_attention(q, kv, kv[..., :Dv], idx, config=SparseAttentionConfig(mla_bwd_pass_bytes=mib << 20))
+        for mib in sizes:
+            config = SparseAttentionConfig(**{field: mib << 20})
+            o = sparse_attention(q, kv, kv[..., :Dv], idx, config=config, deterministic=det)
 
             def bwd(o=o, q=q, kv=kv, do=do):
                 q.grad = kv.grad = None
@@ -62,7 +73,8 @@ def main():
 
             runs[mib] = timed(bwd, budget_ms=args.budget_ms)
             del o
-            print(f"{name:10s} pass {mib:4d} MiB: backward {runs[mib]:8.2f} ms  x{runs[args.pass_mib[0]] / runs[mib]:.3f}",
+            what = "scratch" if det else "pass"
+            print(f"{name:10s} {what} {mib:4d} MiB: backward {runs[mib]:8.2f} ms  x{runs[sizes[0]] / runs[mib]:.3f}",
                   flush=True)  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
