@@ -157,6 +157,18 @@ def test_deterministic_backward_is_bitwise_reproducible(mla):
     check_against_reference(*shape, mla=mla, chunk=128, deterministic=True)
 
 
+def _on_sm90(module) -> bool:
+    return module is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_gluon_forward = pytest.mark.skipif(
+    not _on_sm90(host.mla_forward_gluon), reason="the Gluon MLA forward is sm_90 only"
+)
+needs_gluon_backward = pytest.mark.skipif(
+    not _on_sm90(host.mla_backward_gluon), reason="the Gluon MLA backward is sm_90 only"
+)
+
+
 def _gluon_forward_calls(monkeypatch):
     """Counts launches of the Hopper MLA forward (``mla_forward_gluon``)."""
     calls = []
@@ -165,12 +177,17 @@ def _gluon_forward_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.skipif(
-    host.mla_forward_gluon is None
-    or not torch.cuda.is_available()
-    or torch.cuda.get_device_capability() != (9, 0),
-    reason="the Gluon MLA forward is sm_90 only",
-)
+def _gluon_backward_calls(monkeypatch):
+    """Counts launches of the Hopper MLA dS + dK/dV kernel (``mla_backward_gluon``), and whether each
+    stored to scratch."""
+    calls = []
+    real = host.mla_backward_gluon.mla_backward_dkv
+    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv",
+                        lambda *a, **k: calls.append(k.get("scratch", False)) or real(*a, **k))
+    return calls
+
+
+@needs_gluon_forward
 @pytest.mark.parametrize(
     "T,H,dtype", [(4096, 64, torch.bfloat16), (4096, 128, torch.float16), (300, 64, torch.bfloat16)]
 )
@@ -195,12 +212,7 @@ def test_mla_gluon_forward_matches_triton_forward(monkeypatch, T, H, dtype):
     assert o[0, 5].abs().max().item() == 0
 
 
-@pytest.mark.skipif(
-    host.mla_backward_gluon is None
-    or not torch.cuda.is_available()
-    or torch.cuda.get_device_capability() != (9, 0),
-    reason="the Gluon MLA backward is sm_90 only",
-)
+@needs_gluon_backward
 @pytest.mark.parametrize(
     "T,H,dtype,K",
     [(4096, 64, torch.bfloat16, K_SEL), (4096, 128, torch.float16, K_SEL), (300, 64, torch.bfloat16, K_SEL),
@@ -219,9 +231,7 @@ def test_mla_gluon_backward_matches_triton_backward(monkeypatch, T, H, dtype, K,
     q, k = q.detach().to(dtype).requires_grad_(), k.detach().to(dtype).requires_grad_()
     do = do.to(dtype)
     idx = selection(T, K)
-    calls = []
-    real = host.mla_backward_gluon.mla_backward_dkv
-    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _gluon_backward_calls(monkeypatch)
     _, _, grads = run_triton(q, k, k[..., :512], idx, do, dlse, mla=True)
     launches = len(calls)  # one per chunk of queries whose dS fits the buffer, and per key pass
     passes = host.key_pass_count(torch.empty(1, T, 1, 576), host.DEFAULT_CONFIG)
@@ -236,22 +246,7 @@ def test_mla_gluon_backward_matches_triton_backward(monkeypatch, T, H, dtype, K,
     assert grads[0][0, 5].abs().max().item() == 0
 
 
-def _gluon_backward_calls(monkeypatch):
-    """Counts launches of the Hopper MLA dS + dK/dV kernel (``mla_backward_gluon``), and whether each
-    stored to scratch."""
-    calls = []
-    real = host.mla_backward_gluon.mla_backward_dkv
-    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv",
-                        lambda *a, **k: calls.append(k.get("scratch", False)) or real(*a, **k))
-    return calls
-
-
-@pytest.mark.skipif(
-    host.mla_backward_gluon is None
-    or not torch.cuda.is_available()
-    or torch.cuda.get_device_capability() != (9, 0),
-    reason="the Gluon MLA backward is sm_90 only",
-)
+@needs_gluon_backward
 @pytest.mark.parametrize("H", [64, 128])
 def test_mla_gluon_deterministic_backward_is_reproducible_and_matches_the_atomic_one(monkeypatch, H):
     # The Gluon kernel stores each pair's contribution to scratch and the host sums each key's rows
@@ -274,12 +269,7 @@ def test_mla_gluon_deterministic_backward_is_reproducible_and_matches_the_atomic
     assert g1[0][0, 5].abs().max().item() == 0
 
 
-@pytest.mark.skipif(
-    host.mla_backward_gluon is None
-    or not torch.cuda.is_available()
-    or torch.cuda.get_device_capability() != (9, 0),
-    reason="the Gluon MLA backward is sm_90 only",
-)
+@needs_gluon_backward
 def test_mla_backward_with_v_a_detached_prefix_of_k_gives_k_only_its_own_gradient(monkeypatch):
     # v = k[..., :512].detach() shares k's storage but takes no gradient: P^T dO must not reach dk.
     # The Gluon kernel merges them into k's first 512 columns, so it must not run here.
@@ -299,12 +289,7 @@ def test_mla_backward_with_v_a_detached_prefix_of_k_gives_k_only_its_own_gradien
     assert rel_err(dk, k32.grad) < 2e-2 and rel_err(dq, q32.grad) < 2e-2
 
 
-@pytest.mark.skipif(
-    host.mla_backward_gluon is None
-    or not torch.cuda.is_available()
-    or torch.cuda.get_device_capability() != (9, 0),
-    reason="the Gluon MLA backward is sm_90 only",
-)
+@needs_gluon_backward
 def test_mla_gluon_backward_takes_the_models_permuted_output_gradient(monkeypatch):
     # In the patched model dO reaches the attention as a view of [H, S, D] storage whose size-1
     # batch dim has stride 1; the Gluon dK/dV kernel must still take it, and agree with the Triton
@@ -315,9 +300,7 @@ def test_mla_gluon_backward_takes_the_models_permuted_output_gradient(monkeypatc
     do_perm = base.as_strided((1, T, H, 512), (1, 512, T * 512, 1))
     assert do_perm.stride(0) == 1 and torch.equal(do_perm, do)
     idx = selection(T)
-    calls = []
-    real = host.mla_backward_gluon.mla_backward_dkv
-    monkeypatch.setattr(host.mla_backward_gluon, "mla_backward_dkv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _gluon_backward_calls(monkeypatch)
     o = sparse_attention(q, k, k[..., :512], idx, backend="triton")
     grads = torch.autograd.grad(o, [q, k], grad_outputs=do_perm)
     assert calls, "the Gluon dK/dV kernel did not take the permuted output gradient"
