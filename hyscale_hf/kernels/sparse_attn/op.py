@@ -124,7 +124,8 @@ def sparse_attention(
             ``"auto"`` uses the reference only for fp64 or mixed dtypes (and off CUDA).
         deterministic: Triton backward only. ``False``: dK/dV accumulate with fp32 atomics (fastest;
             the summation order, hence the last bits, vary between runs). ``True``: an ordered,
-            atomic-free accumulation through a scratch buffer (bit-reproducible, slower). ``None``
+            atomic-free accumulation through a scratch buffer of at most ``config.det_scratch_bytes``
+            (4 GiB) per chunk of queries (bit-reproducible, slower). ``None``
             (default) follows ``torch.are_deterministic_algorithms_enabled()``.
         config: Triton only: tile shapes and kernel variants (``SparseAttentionConfig``; None = the
             measured defaults, ``host.DEFAULT_CONFIG``). The tuning script sweeps it.
