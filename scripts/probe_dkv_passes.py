@@ -18,6 +18,9 @@ With ``--scratch-mib`` it times the deterministic backward instead, for each
 its pairs' contributions to that much scratch before they are summed per key.
 
     python scripts/probe_dkv_passes.py --T 32768 --scratch-mib 1024 2048 4096 --selections realistic
+
+``--profile`` also prints each size's kernels (torch.profiler, CUDA time of one backward after the
+timed ones): where the time goes, dK/dV against dQ against the deterministic per-key sum.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from hyscale_hf import sparse_attention
 from hyscale_hf.benchmarking.inputs import realistic_selection
@@ -43,6 +47,7 @@ def main():
     ap.add_argument("--selections", nargs="+", choices=("realistic", "step"), default=["realistic", "step"])
     ap.add_argument("--budget-ms", type=float, default=3000.0)
     ap.add_argument("--out", default="outputs/probe_dkv_passes.json")
+    ap.add_argument("--profile", action="store_true", help="print each size's kernel times of one backward")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_dkv_passes.py times GPU kernels: it needs a CUDA device")
@@ -72,6 +77,12 @@ def main():
                 o.backward(do, retain_graph=True)
 
             runs[mib] = timed(bwd, budget_ms=args.budget_ms)
+            if args.profile:
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    bwd()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
             del o
             what = "scratch" if det else "pass"
             print(f"{name:10s} {what} {mib:4d} MiB: backward {runs[mib]:8.2f} ms  x{runs[sizes[0]] / runs[mib]:.3f}",

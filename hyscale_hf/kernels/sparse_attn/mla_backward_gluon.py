@@ -29,8 +29,9 @@ one program (one query token, 64 heads) runs three warpgroups:
   indexer KL's target, ``HeadProbs``) as a small product P^T [1 0 ... 0] from the P tile it reads
   anyway (so from P in q's dtype, as the dV product uses it), off the softmax warpgroup's path.
 
-So a block's gather and S / dP overlap the previous block's contributions and atomics, which bound
-the kernel (H200: fp32 atomics into key rows move about 3.7 TB/s, and every pair adds 2.3 KB).
+So a block's gather and S / dP overlap the previous block's contributions and atomics (H200: fp32
+atomics into key rows move about 3.7 TB/s, and every pair adds 2.3 KB; storing the same bytes to
+scratch instead, the deterministic backward, took as long on an H100: benchmarks/notes.md).
 Barriers: "PdS ready" (default -> both) and "PdS free" (both -> default: P and dS may be
 overwritten). Shared memory: Q 72 KB, dO 64 KB, the K slot 72 KB, P and dS 16 KB: 224 KB of the
 227 KB a program may use, so one program per SM.
