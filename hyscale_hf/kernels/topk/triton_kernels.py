@@ -261,6 +261,22 @@ def _exact_threshold(
 
 
 @triton.jit
+def _head_logits(kt, qT, RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """The per-head indexer logits of a key tile, ``kt @ qT`` (ReLU'd with RELU), as the scan and the
+    rescue both score them: the same precision and upcast, so both see the same fp32 scores. NaN
+    stays NaN through the ReLU (+inf too); the callers turn non-finite sums into NaN."""
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(kt, qT, input_precision="ieee")
+    else:
+        acc = tl.dot(kt, qT)
+    if RELU:
+        acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return acc
+
+
+@triton.jit
 def _mono_score(mono):
     """The fp32 score of an int32 mono: the inverse of the order-preserving image (a NaN-ranked mono
     decodes to a NaN)."""
@@ -453,16 +469,8 @@ def hytopk_scan_kernel(
         else:
             k_rows = k_ptr + b * s_kb + offs_n.to(tl.int64) * s_kt
             kt = tl.load(k_rows[:, None] + d[None, :] * s_kd, mask=(offs_n[:, None] < NK) & (d[None, :] < D), other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
         # acc[key, query x head]: the head sum stays inside each thread's accumulator registers
-        if IEEE:
-            acc = tl.dot(kt, qT, input_precision="ieee")
-        else:
-            acc = tl.dot(kt, qT)
-        if RELU:  # NaN stays NaN (+inf too); the non-finite sums become NaN below, on [BN, BQ] only
-            acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        acc = acc * wv[None, :]
+        acc = _head_logits(kt, qT, RELU, IEEE, UPCAST) * wv[None, :]
         if HP != H:
             acc = tl.where(c_h[None, :] < H, acc, 0.0)  # padded heads add nothing (not even NaN)
         if BQ % 4 == 0:  # [BN, BQ] indexer scores: sum over (gh, e), keep (gq, l)
@@ -668,15 +676,7 @@ def _rescored_keys(
     d = tl.arange(0, DP)
     kt = tl.load(k_ptr + offs_n[:, None].to(tl.int64) * s_kt + d[None, :] * s_kd,
                  mask=(offs_n[:, None] < T) & (d[None, :] < D), other=0.0)  # fmt: skip
-    if UPCAST:
-        kt = kt.to(tl.float32)
-    if IEEE:
-        acc = tl.dot(kt, qT, input_precision="ieee")
-    else:
-        acc = tl.dot(kt, qT)
-    if RELU:
-        acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    acc = tl.where(tl.arange(0, HR)[None, :] < H, acc * wv[None, :], 0.0)
+    acc = tl.where(tl.arange(0, HR)[None, :] < H, _head_logits(kt, qT, RELU, IEEE, UPCAST) * wv[None, :], 0.0)
     sc = tl.sum(acc, axis=1)
     bits = sc.to(tl.int32, bitcast=True)
     bits = tl.where(bits == _I32_MIN, 0, bits)
