@@ -112,14 +112,14 @@ for s in $stages; do
       stage ncu_mla_backward_dkv "${NCU_S:-100}" ncu --clock-control none -k regex:mla_backward_dkv_kernel \
         --launch-skip 45 --launch-count 1 --set full --page details --print-units base \
         python3 scripts/ncu_mla.py ${NCU_ARGS:-} ;;
-    mla_bwd)  # the MLA Gluon backward (issue 26): its GPU tests with one pass (and the deterministic ones) and
-      # with key passes in separate processes (a kernel fault is sticky: it fails every later test of its
-      # process), then the MLA benchmark at 32K (atomic and deterministic backward); with AB_OLD="<folder> ..."
-      # (each holding another hyscale_hf) those packages' benchmarks too, before and after this tree's, in the
-      # same call
+    mla_bwd)  # the MLA Gluon kernels (issue 26): the backward's GPU tests with one pass (the deterministic ones
+      # and the Gluon forward's with them) and with key passes in separate processes (a kernel fault is sticky:
+      # it fails every later test of its process), then the MLA benchmark at 32K (forward, atomic and
+      # deterministic backward); with AB_OLD="<folder> ..." (each holding another hyscale_hf) those packages'
+      # benchmarks too, before and after this tree's, in the same call
       t="tests/kernels/sparse_attn/test_gpu.py tests/kernels/sparse_attn/test_mla_gpu.py tests/kernels/sparse_attn/test_key_passes.py"
       stage mla_bwd_tests_one_pass "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t \
-        -k "one_pass or permuted_output or deterministic or detached_prefix"
+        -k "one_pass or permuted_output or deterministic or detached_prefix or gluon_forward"
       stage mla_bwd_tests_key_passes "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu $t -k key_passes
       sattn="scripts/bench_sparse_attention.py --budget-ms 1200 --skip gqa,dense --T 32768"
       bench_old() {  # bench_old before|after: each AB_OLD package's benchmark
