@@ -263,8 +263,8 @@ def _exact_threshold(
 @triton.jit
 def _head_logits(kt, qT, RELU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """The per-head indexer logits of a key tile, ``kt @ qT`` (ReLU'd with RELU), as the scan and the
-    rescue both score them: the same precision and upcast, so both see the same fp32 scores. NaN
-    stays NaN through the ReLU (+inf too); the callers turn non-finite sums into NaN."""
+    rescue both take them: the same upcast and dot precision in both. NaN stays NaN through the ReLU
+    (+inf too); the callers rank non-finite head sums as NaN."""
     if UPCAST:
         kt = kt.to(tl.float32)
     if IEEE:
