@@ -44,7 +44,7 @@ def test_plan_rank_and_where_it_applies():
     assert host.presample_plan(32768, 2048, 16384, 16, -20.0) == (0, 0)  # r < 1
 
 
-@pytest.mark.parametrize("z", [5.0, 0.0], ids=["margin", "rescues"])
+@pytest.mark.parametrize("z", [5.0, pytest.param(0.0, marks=pytest.mark.slow)], ids=["margin", "rescues"])
 def test_random_integer_inputs_bitwise(z):
     q, k, w = int_inputs(2, 96, 96, 4, 16, device=DEV, seed=1)
     st = run(q, k, w, 16, config(presample_z=z))
@@ -52,6 +52,7 @@ def test_random_integer_inputs_bitwise(z):
     assert (st["rows_rescued"] > 0) if z == 0.0 else (st["rows_rescued"] == 0), st
 
 
+@pytest.mark.slow
 def test_adversarial_rows_rescued_bitwise():
     """Plateaus, monotone rows (the estimate of an increasing row sits at its latest keys), one huge
     bucket, shared strong keys; with no margin many rows take the rescue."""
@@ -59,6 +60,7 @@ def test_adversarial_rows_rescued_bitwise():
     assert run(q, k, w, 16, config(presample_z=0.0))["rows_rescued"] > 0
 
 
+@pytest.mark.slow
 def test_windows_packed_sequences_relu_off_and_nan_rescued_bitwise():
     q, k, w = int_inputs(1, 96, 96, 4, 16, device=DEV, seed=5)
     cfg = config(presample_z=0.0)

@@ -41,7 +41,7 @@ def test_random_integer_inputs_bitwise(small, T):
         assert stats["rows_refined"] == 0
 
 
-@pytest.mark.parametrize("small,T", [(False, 24), (True, 56)], ids=["cap", "tinycap"])
+@pytest.mark.parametrize("small,T", [(False, 24), pytest.param(True, 56, marks=pytest.mark.slow)], ids=["cap", "tinycap"])
 def test_adversarial_rows_bitwise(small, T):
     """Zero plateaus (> K ties), all-zero and -0.0 rows, monotone rows, one huge bucket, shared strong keys;
     rows shorter than K and exactly K come from causality (query i sees i + 1 keys)."""
@@ -68,7 +68,7 @@ def test_all_negative_scores_tiny_buffer_bitwise():
     assert hytopk_stats()["rows_refined"] > 0
 
 
-@pytest.mark.parametrize("bits", [3, 8])
+@pytest.mark.parametrize("bits", [pytest.param(3, marks=pytest.mark.slow), 8])
 def test_radix_digit_widths_bitwise(bits):
     """8 or 256 buckets per radix level (default 128): more or fewer levels per select, same exact sets."""
     q, k, w = adversarial_inputs(40, 40, 4, 16, device=DEV, seed=2)
